@@ -1,0 +1,442 @@
+"""Public Python API: load a target/draft pair, stream rounds as events, generate a result."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .drafters import Drafter, ModelDrafter
+from .engine import Round, Target, Timing, decode
+from .errors import MacspecError, ModelError, OptionError, PromptError
+from .sampling import SamplingOptions
+
+
+@dataclass
+class Pair:
+    """A loaded target, its tokenizer, and the draft model (if any)."""
+
+    target: nn.Module
+    tokenizer: TokenizerWrapper
+    target_path: Path
+    draft: nn.Module | None = None
+    draft_path: Path | None = None
+    drafter_kind: str | None = None  # "model", or None for plain decoding
+    vocab_size: int = 0  # ids both models can produce and the tokenizer knows
+    context_length: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    timing: Timing = field(default_factory=Timing)
+
+    def make_drafter(self) -> Drafter | None:
+        if self.draft is not None:
+            return ModelDrafter(self.draft, self.vocab_size)
+        return None
+
+
+@dataclass(frozen=True)
+class RoundEvent:
+    """One verification round (or plain step), as streamed to the UI and CLI."""
+
+    accepted: tuple[int, ...]
+    rejected: tuple[int, ...]
+    emitted: tuple[int, ...]
+    target_token: int | None
+    text: str
+    num_draft: int
+    speculative: bool
+    draft_time: float
+    verify_time: float
+    round_time: float
+    plain_step_time: float
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    rounds: int  # target forward passes after the prompt (speculative rounds + plain steps)
+    speculative_rounds: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float  # accepted / drafted (0.0 when nothing was drafted)
+    mean_accepted_length: float  # ids emitted per speculative round (1.0 for plain decoding)
+    per_position_acceptance: tuple[float, ...]  # P(draft i accepted | i drafted), by position
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_time: float
+    draft_time: float
+    verify_time: float
+    total_time: float  # decoding time after the prompt
+    tokens_per_second: float  # generated_tokens / total_time
+    plain_step_time: float  # measured seconds of one plain target step
+    seed: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+
+class _StatsCounter:
+    """Accumulates rounds into GenerationStats."""
+
+    def __init__(self, prompt_tokens: int, seed: int):
+        self.prompt_tokens, self.seed = prompt_tokens, seed
+        self.rounds = self.spec_rounds = self.spec_emitted = self.generated = 0
+        self.draft_time = self.verify_time = self.total_time = self.prefill_time = 0.0
+        self.plain_step_time = 0.0
+        self.drafted_at: list[int] = []
+        self.accepted_at: list[int] = []
+
+    def add(self, r: Round, emitted: int) -> None:
+        self.rounds += 1
+        self.generated += emitted
+        self.prefill_time += r.prefill_time
+        self.draft_time += r.draft_time
+        self.verify_time += r.verify_time
+        self.total_time += r.round_time
+        self.plain_step_time = r.plain_step_time
+        if r.num_draft:
+            self.spec_rounds += 1
+            self.spec_emitted += emitted
+            for i in range(r.num_draft):
+                if i == len(self.drafted_at):
+                    self.drafted_at.append(0)
+                    self.accepted_at.append(0)
+                self.drafted_at[i] += 1
+                self.accepted_at[i] += i < len(r.accepted)
+
+    def stats(self) -> GenerationStats:
+        drafted, accepted = sum(self.drafted_at), sum(self.accepted_at)
+        return GenerationStats(
+            rounds=self.rounds,
+            speculative_rounds=self.spec_rounds,
+            drafted=drafted,
+            accepted=accepted,
+            acceptance_rate=accepted / drafted if drafted else 0.0,
+            mean_accepted_length=self.spec_emitted / self.spec_rounds if self.spec_rounds else 1.0,
+            per_position_acceptance=tuple(
+                a / d for a, d in zip(self.accepted_at, self.drafted_at, strict=True)
+            ),
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated,
+            prefill_time=self.prefill_time,
+            draft_time=self.draft_time,
+            verify_time=self.verify_time,
+            total_time=self.total_time,
+            tokens_per_second=self.generated / self.total_time if self.total_time else 0.0,
+            plain_step_time=self.plain_step_time,
+            seed=self.seed,
+        )
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _resolve(name_or_path: str | os.PathLike) -> Path:
+    """A model directory from a path or a store name (the store knows its names)."""
+    try:
+        from .store import resolve_model
+    except ImportError:  # the store is optional at this layer
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise ModelError(f"model not found: {name_or_path} (no such directory)") from None
+        return path
+    return resolve_model(str(name_or_path))
+
+
+def _load_model(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    from mlx_lm.utils import load as mlx_load
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a model directory: config.json is missing")
+    if not list(path.glob("model*.safetensors")):
+        raise ModelError(f"{path} has no weights (model*.safetensors)")
+    try:
+        # Never trust_remote_code: a model directory must not run its own code.
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+    except MacspecError:
+        raise
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
+        raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
+    return model, tokenizer, config
+
+
+def _embedding_rows(model: nn.Module) -> int:
+    # The logits width is the only architecture-independent way to count output rows.
+    return int(model(mx.array([[0]])).shape[-1])
+
+
+def _context_length(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 1 << 20  # unknown: do not invent a limit
+
+
+def load(
+    target: str | os.PathLike | None = None,
+    draft: str | os.PathLike | None = None,
+    *,
+    drafter: str | None = None,
+) -> Pair:
+    """Load a target and (optionally) a draft model: directories or store names.
+
+    With no target, the embedded default pair is used (fetched and converted on first use)."""
+    if drafter not in (None, "model"):
+        raise OptionError(f"unknown drafter {drafter!r}: choose 'model'")
+    if target is None:
+        from .default import default_draft, default_target
+
+        target_path = default_target()
+        if draft is None:
+            draft = default_draft()
+    else:
+        target_path = _resolve(target)
+    model, tokenizer, config = _load_model(target_path)
+    rows = _embedding_rows(model)
+    pair = Pair(
+        target=model,
+        tokenizer=tokenizer,
+        target_path=target_path,
+        context_length=_context_length(config),
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+    )
+    vocab = len(tokenizer._tokenizer)
+    if draft is not None:
+        pair.draft_path = _resolve(draft)
+        pair.draft, _, _ = _load_model(pair.draft_path)
+        pair.drafter_kind = "model"
+        rows = min(rows, _embedding_rows(pair.draft))
+        for name, m in (("target", model), ("draft", pair.draft)):
+            if not can_trim_prompt_cache(make_prompt_cache(m)):
+                where = pair.target_path if name == "target" else pair.draft_path
+                raise ModelError(
+                    f"the {name} model ({where})"
+                    " uses a cache that cannot be rewound, so rejected drafts cannot be undone;"
+                    " run it without a draft"
+                )
+    # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
+    pair.vocab_size = min(rows, vocab)
+    return pair
+
+
+# ---------------------------------------------------------------- generation
+
+
+def _encode(pair: Pair, prompt: str | Sequence[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError("the prompt is empty")
+        tok = pair.tokenizer
+        # As mlx-lm: add BOS only when the text does not already start with it.
+        add_special = tok.bos_token is None or not prompt.startswith(tok.bos_token)
+        ids = tok.encode(prompt, add_special_tokens=add_special)
+        if not ids:
+            raise PromptError(f"the prompt {prompt!r} encodes to no tokens")
+        return list(ids)
+    ids = list(prompt)
+    if not ids:
+        raise PromptError("the prompt is empty (no token ids)")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < pair.vocab_size:
+            raise PromptError(
+                f"token id {i!r} is out of the vocabulary's range [0, {pair.vocab_size})"
+            )
+    return ids
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"invalid {name}={value!r}: must be an integer >= 1")
+    return value
+
+
+def _stops(stop: str | Sequence[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise OptionError(f"invalid stop={s!r}: stop strings must be non-empty strings")
+    return stops
+
+
+def stream_generate(
+    pair: Pair,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    num_draft: int = 4,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    speculative: bool = True,
+) -> GenerationStream:
+    """Generate from `prompt`, yielding one RoundEvent per target forward pass.
+
+    A string prompt is encoded as-is (no chat template); a list of ids is used exactly."""
+    opts = SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty)
+    _check_positive_int("max_tokens", max_tokens)
+    _check_positive_int("num_draft", num_draft)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise OptionError(f"invalid seed={seed!r}: must be an integer")
+    stops = _stops(stop)
+    ids = _encode(pair, prompt)
+    if len(ids) >= pair.context_length:
+        raise PromptError(
+            f"the prompt has {len(ids)} tokens but the model's context holds "
+            f"{pair.context_length}: shorten it"
+        )
+    return _stream(pair, ids, opts, max_tokens, num_draft, seed, stops, speculative)
+
+
+class GenerationStream:
+    """Iterator of RoundEvents; `stats()` gives the running totals at any point."""
+
+    def __init__(
+        self, pair: Pair, ids: list[int], steps: Iterator[Round], stops: list[str], seed: int
+    ):
+        self.prompt_tokens = len(ids)
+        self.seed = seed
+        self._steps = steps
+        self._stops = stops
+        self._counter = _StatsCounter(len(ids), seed)
+        self._detok = copy.copy(pair.tokenizer.detokenizer)
+        self._detok.reset()
+        self._shown = 0  # characters of the decoded text already given out
+        self._done = False
+
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> RoundEvent:
+        if self._done:
+            raise StopIteration
+        try:
+            r = next(self._steps)
+        except BaseException:
+            self.close()
+            raise
+        emitted, finish = self._take_text(r)
+        self._counter.add(r, len(emitted))
+        if finish:
+            self.close()
+        return RoundEvent(
+            accepted=tuple(r.accepted),
+            rejected=tuple(r.rejected),
+            emitted=tuple(emitted),
+            target_token=r.target_token if len(emitted) == len(r.emitted) else None,
+            text=self._new_text(finish is not None),
+            num_draft=r.num_draft,
+            speculative=r.num_draft > 0,
+            draft_time=r.draft_time,
+            verify_time=r.verify_time,
+            round_time=r.round_time,
+            plain_step_time=r.plain_step_time,
+            finish_reason=finish,
+        )
+
+    def _take_text(self, r: Round) -> tuple[list[int], str | None]:
+        """Feed the round's ids to the detokenizer one by one, cutting at a stop string."""
+        for i, t in enumerate(r.emitted):
+            self._detok.add_token(t)
+            if self._stops and self._stop_at() is not None:
+                return r.emitted[: i + 1], "stop_string"
+        if r.finish_reason:
+            self._detok.finalize()
+        return r.emitted, r.finish_reason
+
+    def _stop_at(self) -> int | None:
+        # Text already shown never holds the start of a stop string (see _new_text's hold-back).
+        text = self._detok.text
+        found = [i for s in self._stops if (i := text.find(s, self._shown)) >= 0]
+        return min(found) if found else None
+
+    def _new_text(self, final: bool) -> str:
+        text = self._detok.text
+        end = len(text)
+        if self._stops:
+            stop = self._stop_at()
+            if stop is not None:
+                end = stop
+            elif not final:
+                # Hold back a tail that may be the beginning of a stop string.
+                end -= max(
+                    (n for s in self._stops for n in range(1, len(s)) if text.endswith(s[:n])),
+                    default=0,
+                )
+        new = text[self._shown : max(end, self._shown)]
+        self._shown += len(new)
+        return new
+
+    def stats(self) -> GenerationStats:
+        return self._counter.stats()
+
+    def close(self) -> None:
+        self._done = True
+        self._steps.close()
+
+
+def _stream(
+    pair: Pair,
+    ids: list[int],
+    opts: SamplingOptions,
+    max_tokens: int,
+    num_draft: int,
+    seed: int | None,
+    stops: list[str],
+    speculative: bool,
+) -> GenerationStream:
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    steps = decode(
+        Target(pair.target, pair.vocab_size),
+        pair.make_drafter() if speculative else None,
+        ids,
+        opts,
+        max_tokens=max_tokens,
+        num_draft=num_draft,
+        key=mx.random.key(seed),
+        eos_ids=set(pair.eos_token_ids),
+        context_length=pair.context_length,
+        timing=pair.timing,
+    )
+    return GenerationStream(pair, ids, steps, stops, seed)
+
+
+def generate(pair: Pair, prompt: str | Sequence[int], **options) -> GenerationResult:
+    """Generate a whole answer; options as `stream_generate`."""
+    stream = stream_generate(pair, prompt, **options)
+    tokens: list[int] = []
+    parts: list[str] = []
+    finish = "length"
+    for ev in stream:
+        tokens += ev.emitted
+        parts.append(ev.text)
+        finish = ev.finish_reason or finish
+    return GenerationResult(tokens, "".join(parts), finish, stream.stats())
+
+
+__all__ = [
+    "GenerationResult",
+    "GenerationStats",
+    "GenerationStream",
+    "Pair",
+    "RoundEvent",
+    "generate",
+    "load",
+    "stream_generate",
+]

@@ -1,0 +1,64 @@
+"""The `macspec` command. Each subcommand lives beside the code it drives and registers itself here.
+
+Flags are the Python functions' keyword arguments (``--max-tokens`` is ``max_tokens=``), and this is
+the one place where the project's errors become a message and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import MacspecError
+
+# subcommand -> module that defines `register(subparsers)`; the parser it adds sets `func(args)`.
+COMMANDS = {
+    "generate": "macspec.commands",
+    "chat": "macspec.ui.command",
+    "check": "macspec.compat",
+    "convert": "macspec.convert",
+    "models": "macspec.store",
+    "bench": "macspec.bench",
+    "doctor": "macspec.doctor",
+    "distill": "macspec.distill",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="macspec", description="Exact speculative decoding for local LLMs on MLX."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    registered: set[str] = set()
+    for module_name in dict.fromkeys(COMMANDS.values()):
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:  # a real import error inside an existing module
+                raise
+            continue
+        module.register(sub)
+        registered.update(sub.choices)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except MacspecError as e:
+        print(f"macspec: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("macspec: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""The speculative decoding loop: one function per round, and a step generator of plain data.
+
+Exactness (Leviathan et al. 2023, Chen et al. 2023): draft x ~ q, accept with probability
+min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); if all k drafts are
+accepted draw a bonus token from p at the last position. Every emitted token is then distributed
+exactly as if the target had sampled it alone, at every temperature and sampling option.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from time import perf_counter
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .drafters import DistFn, Drafter, prefill
+from .sampling import SamplingOptions, distribution, penalty_windows, sample
+
+
+@dataclass
+class Round:
+    """What one round did, as plain data (ids and seconds)."""
+
+    accepted: list[int]  # drafts kept
+    rejected: list[int]  # drafts thrown away
+    emitted: list[int]  # ids added to the output this round (after stops)
+    target_token: int | None  # the id the target sampled (correction or bonus), if emitted
+    num_draft: int  # drafts proposed (0 = plain decoding step)
+    draft_time: float
+    verify_time: float
+    round_time: float
+    plain_step_time: float  # current estimate of one plain target step on this machine
+    finish_reason: str | None  # "stop", "length", "context" or None
+    prefill_time: float = 0.0  # prompt processing, reported with the first round
+
+
+class Timing:
+    """Measured cost of one plain target step, kept across generations of a loaded pair."""
+
+    def __init__(self) -> None:
+        self.plain_step: float | None = None
+
+    def observe_plain_step(self, seconds: float) -> None:
+        # Exponential average: recent steps matter most (the context grows, the machine warms up).
+        prev = self.plain_step
+        self.plain_step = seconds if prev is None else 0.7 * prev + 0.3 * seconds
+
+
+class Target:
+    """The target model and its KV cache; logits are cut to the ids both models share."""
+
+    def __init__(self, model: nn.Module, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.cache: list = []
+
+    def start(self, prompt: list[int]) -> None:
+        self.cache = make_prompt_cache(self.model)
+        prefill(self.model, self.cache, prompt[:-1])
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset
+
+    def logits(self, tokens: mx.array) -> mx.array:
+        return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
+
+    def trim_to(self, length: int) -> None:
+        trim_prompt_cache(self.cache, self.offset - length)
+
+
+def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
+    """The sampling distribution for rows that follow `history` + extra[:first_row + r]."""
+
+    def dist(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array:
+        windows = None
+        if opts.repetition_penalty != 1.0:
+            rows = first_row + logits.shape[0]
+            windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
+        return distribution(logits, opts, windows)
+
+    return dist
+
+
+def accept(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """Modified rejection sampling over k drafts: p (k+1, V) target, q (k, V) draft.
+
+    Returns (n, token): the length of the accepted prefix and the target's next token."""
+    k = drafts.size
+    u_key, r_key = mx.random.split(key)
+    rows = mx.arange(k)
+    px, qx = p[rows, drafts], q[rows, drafts]
+    # Accept x_i with probability min(1, p(x_i)/q(x_i)), i.e. u * q < p with u ~ U[0, 1).
+    ok = (mx.random.uniform(shape=(k,), key=u_key) * qx < px).astype(mx.int32)
+    n = mx.sum(mx.cumprod(ok))
+    # Rejected at n: draw from norm(max(0, p_n - q_n)). All accepted (n == k): q_k = 0, so from p_k.
+    q = mx.concatenate([q, mx.zeros((1, q.shape[1]), q.dtype)])
+    residual = mx.maximum(mx.take(p, n, axis=0) - mx.take(q, n, axis=0), 0.0)
+    residual = mx.where(mx.sum(residual) > 0, residual, mx.take(p, n, axis=0))
+    return n, sample(residual[None], r_key)[0]
+
+
+def one_hot(tokens: mx.array, vocab: int) -> mx.array:
+    return (mx.arange(vocab)[None] == tokens[:, None]).astype(mx.float32)
+
+
+def speculative_round(
+    target: Target, drafter: Drafter, last: int, k: int, dist: DistFn, key: mx.array
+) -> tuple[list[int], int, int, float, float]:
+    """Draft up to k tokens, verify them and the next position in one target pass, accept.
+
+    Returns (drafts, n_accepted, target_token, draft_seconds, verify_seconds). Both caches end
+    holding exactly the accepted context, also when something fails half-way."""
+    draft_key, accept_key = mx.random.split(key)
+    start, done = target.offset, False
+    drafts: list[int] = []
+    n = 0
+    try:
+        t0 = perf_counter()
+        proposal = drafter.propose(k, dist, draft_key)
+        mx.eval(proposal.tokens)  # one sync after drafting: it gives the draft/verify time split
+        t1 = perf_counter()
+        k = proposal.tokens.size
+        logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]))
+        p = dist(logits, proposal.tokens, 0)
+        q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
+        n_arr, token_arr = accept(p, q, proposal.tokens, accept_key)
+        mx.eval(n_arr, token_arr)
+        drafts, n, token = proposal.tokens.tolist(), n_arr.item(), token_arr.item()
+        done = True
+        return drafts, n, token, t1 - t0, perf_counter() - t1
+    finally:
+        # Rewind: the target keeps `last` and the n accepted drafts; a failed round keeps nothing.
+        target.trim_to(start + 1 + n if done else start)
+        if done:
+            drafter.commit(k, n, drafts[:n] + [token])
+        else:
+            drafter.abort(k)
+
+
+def plain_step(target: Target, last: int, dist: DistFn, key: mx.array) -> int:
+    """One ordinary decoding step with the same sampling distribution."""
+    p = dist(target.logits(mx.array([last])), None, 0)
+    return sample(p, key).item()
+
+
+def decode(
+    target: Target,
+    drafter: Drafter | None,
+    prompt: list[int],
+    opts: SamplingOptions,
+    *,
+    max_tokens: int,
+    num_draft: int,
+    key: mx.array,
+    eos_ids: set[int],
+    context_length: int,
+    timing: Timing,
+) -> Iterator[Round]:
+    """Yield one Round per target forward pass until a stop. No I/O, no text: ids and seconds.
+
+    The first token always comes from a plain step, which also measures what a plain step costs
+    now; with no drafter every step is plain."""
+    history = list(prompt)
+    t0 = perf_counter()
+    target.start(prompt)
+    if drafter is not None:
+        drafter.start(prompt)
+    prefill_time = perf_counter() - t0
+    generated = 0
+    while True:
+        room = min(max_tokens - generated, context_length - len(history))
+        # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
+        k = 0 if drafter is None or generated == 0 else min(num_draft, room - 1)
+        key, subkey = mx.random.split(key)
+        dist = make_dist(opts, history)
+        t0 = perf_counter()
+        if k > 0:
+            drafts, n, token, draft_time, verify_time = speculative_round(
+                target, drafter, history[-1], k, dist, subkey
+            )
+        else:
+            drafts, n, token, draft_time = [], 0, plain_step(target, history[-1], dist, subkey), 0.0
+            verify_time = perf_counter() - t0
+            timing.observe_plain_step(verify_time)
+            if drafter is not None:
+                drafter.commit(0, 0, [token])
+        round_time = perf_counter() - t0
+
+        emitted = (drafts[:n] + [token])[:room]
+        history += emitted
+        finish = None
+        hit = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+        if hit is not None:
+            emitted, finish = emitted[:hit], "stop"  # the EOS id itself is not output
+        elif generated + len(emitted) >= max_tokens:
+            finish = "length"
+        elif len(history) >= context_length:
+            finish = "context"
+        generated += len(emitted)
+        yield Round(
+            accepted=drafts[:n],
+            rejected=drafts[n:],
+            emitted=emitted,
+            target_token=token if len(emitted) == n + 1 else None,
+            num_draft=len(drafts),
+            draft_time=draft_time,
+            verify_time=verify_time,
+            round_time=round_time,
+            plain_step_time=timing.plain_step or round_time,
+            finish_reason=finish,
+            prefill_time=prefill_time if generated == len(emitted) else 0.0,
+        )
+        if finish:
+            return

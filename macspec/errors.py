@@ -1,0 +1,29 @@
+"""The project's own exceptions: library code raises these, the CLI turns them into messages."""
+
+
+class MacspecError(Exception):
+    """Base class of every error macspec raises on purpose."""
+
+    exit_code = 1
+
+
+class ModelError(MacspecError):
+    """A model directory, file or store entry is missing, unreadable or unsupported."""
+
+
+class OptionError(MacspecError, ValueError):
+    """An option or argument has an invalid value."""
+
+    exit_code = 2
+
+
+class PromptError(MacspecError, ValueError):
+    """The prompt is empty, out of the vocabulary's range or too long for the context."""
+
+
+class CompatError(MacspecError):
+    """Draft and target do not share a tokenizer, so speculation would not be exact."""
+
+
+class ConvertError(MacspecError):
+    """Fetching or converting a model failed; nothing was written to the store."""
