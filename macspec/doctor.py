@@ -1,0 +1,104 @@
+"""`macspec doctor`: backend, device, BLAS, memory bandwidth and advice for this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json as jsonlib
+import os
+import platform
+import sys
+from typing import Any
+
+from . import backend as be
+
+
+def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
+    """Time of a ``rows``-row float32 product over a 1-row one: ~1 means verification is cheap."""
+    one = be.measure_matmul_gflops(size, rows=1)
+    many = be.measure_matmul_gflops(size, rows=rows)
+    return rows * one / many
+
+
+def diagnose() -> dict[str, Any]:
+    import mlx.core as mx
+
+    backend = be.detect_backend()
+    blas = be.blas_in_use()
+    memory = be.total_memory_bytes()
+    bandwidth = be.measure_bandwidth()
+    report: dict[str, Any] = {
+        "backend": backend,
+        "device": be.device_name(),
+        "cpu_count": os.cpu_count(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "mlx": getattr(mx, "__version__", "?"),
+        "blas": blas.kind,
+        "blas_path": blas.path,
+        "blas_preloaded_by_macspec": bool(os.environ.get(be.REEXEC_ENV)),
+        "memory_gb": round(memory / 1e9, 1) if memory else None,
+        "bandwidth_gbs": {k: round(v, 2) for k, v in bandwidth.items()},
+        "matmul_gflops": round(be.measure_matmul_gflops(1024), 1),
+        "rows8_over_rows1": round(row_cost_ratio(), 2),
+    }
+    fmt = be.choose_weight_format(135_000_000, backend=backend, blas=blas, memory_bytes=memory)
+    report["weight_format"] = {"dtype": fmt.dtype, "reason": fmt.reason}
+    report["advice"] = advice(report)
+    return report
+
+
+def advice(report: dict[str, Any]) -> list[str]:
+    notes: list[str] = []
+    if report["backend"] != "cpu":
+        return ["GPU backend: nothing to do; 4-bit targets are the fast choice here."]
+    if report["blas"] not in ("openblas", "mkl", "blis", "accelerate"):
+        if be.find_openblas() is None:
+            notes.append(
+                f"float32 products use the {report['blas']} BLAS (~35x slower): install OpenBLAS, "
+                f"e.g. `apt-get install {be.OPENBLAS_PACKAGE}`; macspec then preloads it itself."
+            )
+        elif os.environ.get(be.OPT_OUT_ENV, "") not in ("", "0"):
+            notes.append(f"OpenBLAS is installed but {be.OPT_OUT_ENV} is set: unset it.")
+        else:
+            notes.append(
+                "OpenBLAS is installed but not loaded: run through the `macspec` command, or set "
+                f"LD_PRELOAD={be.find_openblas()} for your own Python scripts."
+            )
+    if report["rows8_over_rows1"] > 4:
+        notes.append("an 8-row product costs >4x a 1-row one: speculation cannot pay off here.")
+    if not notes:
+        notes.append("fine: float32 targets with the optimized BLAS are the fast choice here.")
+    return notes
+
+
+def format_report(report: dict[str, Any]) -> str:
+    bw = report["bandwidth_gbs"]
+    blas = report["blas"] + (f" ({report['blas_path']})" if report["blas_path"] else "")
+    if report["blas_preloaded_by_macspec"]:
+        blas += " [preloaded by macspec]"
+    lines = [
+        f"backend        {report['backend']}",
+        f"device         {report['device']} ({report['cpu_count']} CPUs, {report['platform']})",
+        f"mlx            {report['mlx']} (Python {report['python']})",
+        f"BLAS           {blas}",
+        f"memory         {report['memory_gb']} GB",
+        f"bandwidth      {bw['best']:.1f} GB/s copy (mlx copy {bw['mlx']:.1f} GB/s)",
+        f"matmul f32     {report['matmul_gflops']:.0f} GFLOP/s (1024x1024)",
+        f"8 rows/1 row   {report['rows8_over_rows1']:.2f}x the time (near 1 = cheap verification)",
+        f"weights        {report['weight_format']['dtype']}: {report['weight_format']['reason']}",
+    ]
+    lines += [f"advice         {note}" for note in report["advice"]]
+    return "\n".join(lines)
+
+
+def doctor(json: bool = False) -> int:
+    report = diagnose()
+    print(jsonlib.dumps(report, indent=2) if json else format_report(report))
+    sys.stdout.flush()
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("doctor", help="show backend, BLAS, memory bandwidth and advice")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=lambda args: doctor(json=args.json))

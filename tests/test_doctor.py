@@ -1,0 +1,89 @@
+"""Backend detection, the OpenBLAS re-exec and `macspec doctor`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from macspec import backend as be
+from macspec.cli import main
+
+MLX_REF = "/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+DEBIAN_OB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+NUMPY_OB = "/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="macOS always uses Accelerate")
+def test_blas_classification_from_mapped_libraries():
+    assert be.blas_in_use([NUMPY_OB, MLX_REF]) == be.BlasInfo("reference", MLX_REF)
+    assert be.blas_in_use([DEBIAN_OB, MLX_REF]).kind == "openblas"
+    assert be.blas_in_use(["/opt/intel/lib/libmkl_rt.so.2"]).kind == "mkl"
+    # numpy's OpenBLAS has prefixed symbols that mlx cannot bind to
+    assert be.blas_in_use([NUMPY_OB]).kind == "not loaded"
+    assert not be.blas_in_use([MLX_REF]).fast
+    assert be.blas_in_use([DEBIAN_OB]).fast
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="preloading is Linux-only")
+def test_preload_plan_guards():
+    slow = [MLX_REF]
+    assert be.preload_plan({be.OPT_OUT_ENV: "1"}, slow) is None
+    assert be.preload_plan({be.REEXEC_ENV: DEBIAN_OB}, slow) is None
+    assert be.preload_plan({}, [DEBIAN_OB, MLX_REF]) is None
+    assert be.preload_plan({}, slow) == be.find_openblas()
+
+
+def test_openblas_candidates_cover_debian_pthread_path():
+    names = [str(p) for p in be.openblas_candidates()]
+    assert any(n.endswith("-linux-gnu/openblas-pthread/libopenblas.so.0") for n in names)
+
+
+def test_choose_weight_format():
+    ob = be.BlasInfo("openblas", DEBIAN_OB)
+    ref = be.BlasInfo("reference", MLX_REF)
+    gb = 10**9
+    assert be.choose_weight_format(135_000_000, "metal").dtype == "4bit"
+    assert be.choose_weight_format(135_000_000, "cuda").dtype == "4bit"
+    assert be.choose_weight_format(135_000_000, "cpu", ob, 16 * gb).dtype == "float32"
+    assert be.choose_weight_format(8 * gb, "cpu", ob, 16 * gb).dtype == "bfloat16"
+    slow = be.choose_weight_format(135_000_000, "cpu", ref, 16 * gb)
+    assert slow.dtype == "4bit" and be.OPENBLAS_PACKAGE in slow.reason
+
+
+def test_measurements_are_positive():
+    bw = be.measure_bandwidth(megabytes=8, repeats=1)
+    assert bw["best"] == max(bw.values()) and bw["mlx"] > 0
+    assert be.measure_matmul_gflops(64, repeats=1) > 0
+
+
+def test_doctor_json(capsys):
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] in ("cpu", "metal", "cuda")
+    assert report["blas"] == be.blas_in_use().kind
+    assert report["bandwidth_gbs"]["best"] > 0 and report["matmul_gflops"] > 0
+    assert report["advice"] and report["weight_format"]["dtype"] in ("float32", "bfloat16", "4bit")
+
+
+def _doctor_subprocess(**env: str) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", be.REEXEC_ENV)}
+    out = subprocess.run(
+        [sys.executable, "-m", "macspec", "doctor", "--json"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out)
+
+
+@pytest.mark.skipif(be.find_openblas() is None, reason="no system OpenBLAS to preload")
+def test_command_reexecs_with_openblas_and_opt_out_works():
+    fast = _doctor_subprocess()
+    assert fast["blas"] == "openblas" and fast["blas_preloaded_by_macspec"]
+    slow = _doctor_subprocess(**{be.OPT_OUT_ENV: "1"})
+    assert slow["blas"] != "openblas" and not slow["blas_preloaded_by_macspec"]
