@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .compat import check_tokenizers
 from .drafters import Drafter, ModelDrafter
 from .engine import Round, Target, Timing, decode
 from .errors import MacspecError, ModelError, OptionError, PromptError
@@ -215,9 +216,19 @@ def load(
     vocab = len(tokenizer._tokenizer)
     if draft is not None:
         pair.draft_path = _resolve(draft)
-        pair.draft, _, _ = _load_model(pair.draft_path)
+        pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
         pair.drafter_kind = "model"
-        rows = min(rows, _embedding_rows(pair.draft))
+        draft_rows = _embedding_rows(pair.draft)
+        # The draft must use the target's ids; refuse another tokenizer before generating anything.
+        check_tokenizers(
+            tokenizer,
+            draft_tokenizer,
+            target_rows=rows,
+            draft_rows=draft_rows,
+            target_name=str(target_path),
+            draft_name=str(pair.draft_path),
+        ).raise_for_errors()
+        rows = min(rows, draft_rows)
         for name, m in (("target", model), ("draft", pair.draft)):
             if not can_trim_prompt_cache(make_prompt_cache(m)):
                 where = pair.target_path if name == "target" else pair.draft_path

@@ -61,11 +61,15 @@ def make_tiny_model(
     context: int = 256,
     tie: bool = True,
     dtype: mx.Dtype = mx.float32,
+    perturb: float = 0.0,
+    perturb_seed: int = 1,
 ) -> Path:
     """Build and save a random llama model with a character tokenizer; returns its directory.
 
     `vocab_rows` pads the embedding beyond the tokenizer's vocabulary, as real models do.
-    `scale` multiplies the output embedding so that distributions are peaked rather than flat.
+    `scale` multiplies the output head so that distributions are peaked rather than flat.
+    `perturb` adds relative noise to every weight: a noisy copy of a target makes a draft that
+    agrees with it part of the time, like a real draft.
     """
     path = Path(path)
     n_vocab = write_char_tokenizer(path, chars)
@@ -88,8 +92,14 @@ def make_tiny_model(
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     params = dict(tree_flatten(model.parameters()))
-    emb = "model.embed_tokens.weight"
-    params[emb] = params[emb] * scale
+    head = "model.embed_tokens.weight" if tie else "lm_head.weight"
+    params[head] = params[head] * scale
+    if perturb:
+        keys = mx.random.split(mx.random.key(perturb_seed), len(params))
+        params = {
+            k: v + perturb * mx.std(v) * mx.random.normal(v.shape, key=keys[i])
+            for i, (k, v) in enumerate(sorted(params.items()))
+        }
     params = {k: v.astype(dtype) for k, v in params.items()}
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config, indent=1))

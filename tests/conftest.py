@@ -1,0 +1,32 @@
+import pytest
+from tinymodels import make_tiny_model
+
+import macspec
+
+SMALL = "abcd"  # a 7-id vocabulary (3 specials + 4 chars) for distribution tests
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """A random target and a noisy copy of it as the draft: they agree part of the time."""
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False)
+    draft = make_tiny_model(root / "draft", seed=0, hidden=48, tie=False, perturb=0.3)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_dirs):
+    return macspec.load(*tiny_dirs)
+
+
+@pytest.fixture(scope="session")
+def small_pair(tmp_path_factory):
+    """Target and draft over a 7-token vocabulary, with distributions that clearly differ."""
+    root = tmp_path_factory.mktemp("small")
+    kw = {"chars": SMALL, "scale": 8.0, "vocab_rows": 9, "tie": False}
+    target = make_tiny_model(root / "target", seed=3, **kw)
+    draft = make_tiny_model(root / "draft", seed=3, perturb=0.2, **kw)
+    p = macspec.load(target, draft)
+    p.eos_token_ids = frozenset()  # every sequence has the full length: simpler exact tables
+    return p

@@ -1,0 +1,164 @@
+"""Greedy equality, cache rewinding, stops, statistics and streaming events."""
+
+import mlx.core as mx
+import pytest
+
+import macspec
+from macspec.drafters import ModelDrafter
+from macspec.engine import Target, Timing, decode
+from macspec.sampling import SamplingOptions
+
+PROMPTS = ["Once upon", "The cat sat on the", "42 is", [1, 20, 30, 40, 50, 60]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=str)
+def test_greedy_speculative_equals_greedy_target_only(pair, prompt):
+    plain = macspec.generate(pair, prompt, max_tokens=48, speculative=False)
+    assert plain.stats.drafted == 0
+    rejected = 0
+    for k in (1, 2, 3, 5, 8):
+        spec = macspec.generate(pair, prompt, max_tokens=48, num_draft=k)
+        assert spec.tokens == plain.tokens, f"K={k}"
+        assert spec.text == plain.text
+        rejected += spec.stats.drafted - spec.stats.accepted
+    assert rejected > 0  # the draft disagrees sometimes, so rewinding was exercised
+
+
+def test_same_seed_same_tokens(pair):
+    a = macspec.generate(pair, "Hi", max_tokens=30, temperature=0.9, seed=11)
+    b = macspec.generate(pair, "Hi", max_tokens=30, temperature=0.9, seed=11)
+    c = macspec.generate(pair, "Hi", max_tokens=30, temperature=0.9, seed=12)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def _fresh_logits(model, tokens):
+    return model(mx.array(tokens)[None])[0, -1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
+    target = Target(pair.target, pair.vocab_size)
+    drafter = ModelDrafter(pair.draft, pair.vocab_size)
+    prompt = pair.tokenizer.encode("Rewind me")
+    history = list(prompt)
+    rounds = decode(
+        target,
+        drafter,
+        prompt,
+        SamplingOptions(temperature=temperature),
+        max_tokens=60,
+        num_draft=4,
+        key=mx.random.key(3),
+        eos_ids=set(),
+        context_length=pair.context_length,
+        timing=Timing(),
+    )
+    rejections = 0
+    for r in rounds:
+        history += r.emitted
+        rejections += len(r.rejected)
+        # Target cache: everything but the last id; feeding it must match a fresh pass.
+        assert target.offset == len(history) - 1
+        cached = pair.target(mx.array(history[-1:])[None], cache=target.cache)[0, -1]
+        target.trim_to(len(history) - 1)  # undo the check's own step
+        assert mx.allclose(cached, _fresh_logits(pair.target, history), atol=1e-4)
+        # Draft cache: everything but its pending ids.
+        assert drafter.cache[0].offset + len(drafter.pending) == len(history)
+        assert drafter.pending == history[len(history) - len(drafter.pending) :]
+    assert rejections > 0
+
+
+def test_max_tokens_smaller_than_k(pair):
+    plain = macspec.generate(pair, "Short", max_tokens=3, speculative=False)
+    for max_tokens in (1, 2, 3):
+        r = macspec.generate(pair, "Short", max_tokens=max_tokens, num_draft=6)
+        assert r.tokens == plain.tokens[:max_tokens]
+        assert r.finish_reason == "length"
+        assert r.stats.generated_tokens == max_tokens
+
+
+def test_never_overshoots_max_tokens_when_all_drafts_accepted(tiny_dirs):
+    same = macspec.load(tiny_dirs[0], tiny_dirs[0])
+    for max_tokens in range(1, 12):
+        r = macspec.generate(same, "Go", max_tokens=max_tokens, num_draft=4)
+        assert len(r.tokens) == max_tokens
+
+
+def test_eos_inside_an_accepted_run(tiny_dirs):
+    same = macspec.load(tiny_dirs[0], tiny_dirs[0])  # every draft accepted: EOS lands mid-round
+    plain = macspec.generate(same, "The end", max_tokens=40, speculative=False)
+    eos = plain.tokens[9]
+    first = plain.tokens.index(eos)
+    same.eos_token_ids = frozenset({eos})
+    r = macspec.generate(same, "The end", max_tokens=40, num_draft=5)
+    assert r.tokens == plain.tokens[:first]
+    assert r.finish_reason == "stop"
+    assert r.stats.accepted == r.stats.drafted  # the EOS came from an accepted draft run
+
+
+def test_stop_string_cuts_text_and_tokens(pair):
+    plain = macspec.generate(pair, "Stop here", max_tokens=40, speculative=False)
+    text = plain.text
+    stop = text[12:15]
+    cut = text.index(stop)
+    r = macspec.generate(pair, "Stop here", max_tokens=40, num_draft=4, stop=[stop, "never"])
+    assert r.finish_reason == "stop_string"
+    assert r.text == text[:cut]
+    # Tokens run up to and including the one that completed the stop string.
+    assert r.tokens == plain.tokens[: len(r.tokens)]
+    assert pair.tokenizer.decode(r.tokens).startswith(text[:cut] + stop)
+    assert not pair.tokenizer.decode(r.tokens[:-1]).startswith(text[:cut] + stop)
+
+
+def test_stream_events_add_up(pair):
+    stream = macspec.stream_generate(
+        pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2
+    )
+    events = list(stream)
+    result = macspec.generate(pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2)
+    assert [t for e in events for t in e.emitted] == result.tokens
+    assert "".join(e.text for e in events) == result.text
+    assert not events[0].speculative and events[0].num_draft == 0  # first token: a timed plain step
+    for e in events[1:]:
+        assert e.speculative
+        assert e.num_draft == len(e.accepted) + len(e.rejected)
+        if e.target_token is not None:
+            assert e.emitted == e.accepted + (e.target_token,)
+        assert e.plain_step_time > 0 and e.round_time > 0
+    s = stream.stats()
+    assert s == result.stats.__class__(**{**s.__dict__}) and s.generated_tokens == 25
+    assert s.drafted == sum(e.num_draft for e in events)
+    assert s.accepted == sum(len(e.accepted) for e in events)
+    assert s.acceptance_rate == s.accepted / s.drafted
+    assert s.speculative_rounds == len(events) - 1
+    assert s.mean_accepted_length == sum(len(e.emitted) for e in events[1:]) / (len(events) - 1)
+    assert len(s.per_position_acceptance) == 3
+    assert events[-1].finish_reason == "length"
+
+
+def test_stopping_a_stream_early_leaves_the_pair_ready(pair):
+    stream = macspec.stream_generate(pair, "Again", max_tokens=200, num_draft=3)
+    next(stream), next(stream)
+    stream.close()
+    a = macspec.generate(pair, "Again", max_tokens=20, num_draft=3)
+    b = macspec.generate(pair, "Again", max_tokens=20, speculative=False)
+    assert a.tokens == b.tokens
+
+
+def test_padded_embedding_rows_are_never_sampled(small_pair):
+    assert small_pair.vocab_size == 7  # 9 embedding rows, 7 tokens
+    for seed in range(20):
+        r = macspec.generate(small_pair, [3, 4], max_tokens=8, temperature=2.0, seed=seed)
+        assert max(r.tokens) < 7
+
+
+def test_generation_stops_at_the_context_length(tmp_path):
+    from tinymodels import make_tiny_model
+
+    d = make_tiny_model(tmp_path / "m", context=16)
+    pair = macspec.load(d, d)
+    pair.eos_token_ids = frozenset()
+    r = macspec.generate(pair, [5, 6, 7, 8, 9], max_tokens=100, num_draft=4)
+    assert r.finish_reason == "context"
+    assert len(r.tokens) == 16 - 5
