@@ -1,0 +1,375 @@
+"""The `macspec chat` Textual app: a conversation whose tokens are coloured by where they came from.
+
+Generation runs in a thread worker that iterates `macspec.stream_generate` and hands the UI one
+update per verification round; Esc sets a flag the worker checks each round and closes the
+generator.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Header, Input, Sparkline, Static
+
+from ..errors import MacspecError, OptionError, PromptError
+from .prompt import GENERATION_OPTIONS, chat_prompt, engine_defaults
+from .transcript import DRAFT, REJECTED, TARGET, Reply, Stats, _num, _pct, finish_label
+
+# Okabe-Ito colours (safe for common colour-blindness) plus a style: origin never hangs on hue
+STYLES = {
+    DRAFT: "#56b4e9",
+    TARGET: "bold #e69f00",
+    REJECTED: "strike #cc79a7",
+}
+LEGEND = {
+    DRAFT: "draft, accepted",
+    TARGET: "target's own token",
+    REJECTED: "draft, rejected",
+}
+UI_OPTIONS = ("system", "show_rejected", "rejected_linger", "timings", "title")
+MAX_K = 16
+CHART_ROUNDS = 40
+
+
+def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
+    """Build the chat app around a loaded pair (`macspec.load()`).
+
+    Options: the generation keywords of `macspec.generate` (max_tokens, temperature, top_p, top_k,
+    min_p, repetition_penalty, num_draft, seed; None = engine default) and the UI's own: `system`
+    (system prompt), `show_rejected` (bool), `rejected_linger` (seconds, None keeps them),
+    `timings` (False shows no timing numbers, for reproducible screenshots), `title`.
+    """
+    unknown = set(options) - set(GENERATION_OPTIONS) - set(UI_OPTIONS)
+    if unknown:
+        raise OptionError(f"unknown chat option(s): {', '.join(sorted(unknown))}")
+    gen = {k: v for k, v in options.items() if k in GENERATION_OPTIONS and v is not None}
+    ui = {k: v for k, v in options.items() if k in UI_OPTIONS}
+    return ChatApp(engine_or_pair, gen, **ui)
+
+
+def _short(path: Any) -> str:
+    return Path(path).name if path else "?"
+
+
+class ChatApp(App):
+    CSS_PATH = "chat.tcss"
+    TITLE = "macspec chat"
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+n", "new_chat", "New chat", priority=True),
+        Binding("ctrl+r", "toggle_rejected", "Rejected", priority=True),
+        Binding("f2", "num_draft(-1)", "K−"),
+        Binding("f3", "num_draft(1)", "K+"),
+        Binding("f4", "temperature(-0.1)", "T−"),
+        Binding("f5", "temperature(0.1)", "T+"),
+        # the same without function keys, whenever the message box does not have focus
+        Binding("left_square_bracket", "num_draft(-1)", "K−", show=False),
+        Binding("right_square_bracket", "num_draft(1)", "K+", show=False),
+        Binding("minus", "temperature(-0.1)", "T−", show=False),
+        Binding("plus", "temperature(0.1)", "T+", show=False),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(
+        self,
+        pair: Any,
+        generation: dict[str, Any] | None = None,
+        *,
+        system: str | None = None,
+        show_rejected: bool = True,
+        rejected_linger: float | None = 0.8,
+        timings: bool = True,
+        title: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.pair = pair
+        self.options = {**engine_defaults(), **(generation or {})}
+        self.options.setdefault("num_draft", 4)
+        self.options.setdefault("temperature", 0.0)
+        self.system = system
+        self.show_rejected = show_rejected
+        self.rejected_linger = rejected_linger
+        self.timings = timings
+        self.title = title or "macspec chat"
+        target, draft = getattr(pair, "target_path", None), getattr(pair, "draft_path", None)
+        self.sub_title = f"{_short(target)} ← {_short(draft) if draft else 'no draft'}"
+        self.history: list[dict[str, str]] = []
+        self.reply: Reply | None = None
+        self.reply_view: Static | None = None
+        self.busy = False
+        self.conversation_id = 0
+        self._stop = threading.Event()
+        self._pair_lock = threading.Lock()  # one generation at a time on the pair
+        self._fading: tuple[Reply, Static | None] | None = None  # a finished reply still fading
+        self._replies: list[tuple[Reply, Static]] = []  # every reply shown, for redraws
+        self._reset_history()
+
+    # layout ---------------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal(id="main"):
+            yield VerticalScroll(id="conversation")
+            with Vertical(id="side"):
+                yield Static(self._legend(), id="legend")
+                yield Static(id="stats")
+                yield Static("accepted drafts per round", id="chart-label")
+                yield Sparkline([], id="chart", summary_function=max)
+                yield Static(id="settings")
+        yield Static("", id="status")
+        yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#legend").border_title = "tokens"
+        self.query_one("#stats").border_title = "this answer"
+        self.query_one("#settings").border_title = "next answer"
+        if self.system:
+            self._add_message(Text(f"system: {self.system}"), "system")
+        self._show_stats(Stats())
+        self._show_settings()
+        self.query_one("#prompt", Input).focus()
+        self.set_interval(0.2, self._expire_rejected)
+
+    def _legend(self) -> Text:
+        text = Text()
+        for origin, label in LEGEND.items():
+            text.append("word", style=STYLES[origin])
+            text.append(f" {label}\n")
+        text.append("(ctrl+r: " + ("shown" if self.show_rejected else "hidden") + ")", style="dim")
+        return text
+
+    def _show_settings(self) -> None:
+        k, t = self.options.get("num_draft"), self.options.get("temperature")
+        line = f"K {k}{' (plain)' if k == 0 else ''}   T {float(t or 0):.1f}"
+        seed = self.options.get("seed")
+        if seed is not None:
+            line += f"   seed {seed}"
+        self.query_one("#settings", Static).update(line)
+
+    def _show_stats(self, stats: Stats) -> None:
+        hidden = "·"  # timing numbers change run to run; screenshots hide them
+        rows = [
+            ("rounds", str(stats.rounds)),
+            ("tokens", str(stats.emitted)),
+            ("round speedup", f"{_num(stats.last_speedup)}x" if self.timings else hidden),
+            ("acceptance", _pct(stats.acceptance_rate)),
+            ("tokens/round", _num(stats.mean_accepted_length)),
+            ("tok/s", _num(stats.tokens_per_second, 1) if self.timings else hidden),
+            ("plain tok/s", _num(stats.plain_tokens_per_second, 1) if self.timings else hidden),
+            ("overall", f"{_num(stats.speedup)}x" if self.timings else hidden),
+        ]
+        text = Text()
+        for i, (name, value) in enumerate(rows):
+            text.append(f"{name:<14}", style="dim")
+            text.append(value, style="bold")
+            if i < len(rows) - 1:
+                text.append("\n")
+        self.query_one("#stats", Static).update(text)
+        self.query_one("#chart", Sparkline).data = stats.accepted_per_round[-CHART_ROUNDS:] or [0]
+
+    def _status(self, message: str) -> None:
+        self.query_one("#status", Static).update(message)
+
+    # conversation ---------------------------------------------------------------------------
+    def _reset_history(self) -> None:
+        self.history = [{"role": "system", "content": self.system}] if self.system else []
+
+    def _add_message(self, content: Any, kind: str) -> Static:
+        view = Static(content, classes=f"message {kind}")
+        self.query_one("#conversation", VerticalScroll).mount(view)
+        self._scroll_end()
+        return view
+
+    def _scroll_end(self) -> None:
+        self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+
+    def _render_reply(self) -> None:
+        self._draw(self.reply, self.reply_view)
+        if self._fading is not None:
+            self._draw(*self._fading)
+
+    def _draw(self, reply: Reply | None, view: Static | None) -> None:
+        if reply is None or view is None:
+            return
+        text = Text()
+        for span in reply.spans:
+            if span.origin == REJECTED and not self.show_rejected:
+                continue
+            text.append(span.text, style=STYLES[span.origin])
+        view.update(text)
+
+    def show_error(self, error: BaseException | str) -> None:
+        """Put a readable error into the conversation (never a traceback)."""
+        if isinstance(error, MacspecError):
+            message = f"error: {error}"
+        elif isinstance(error, BaseException):
+            message = f"unexpected error: {type(error).__name__}: {error}"
+        else:
+            message = f"error: {error}"
+        self._add_message(Text(message), "error")
+
+    @on(Input.Submitted, "#prompt")
+    def _submitted(self, event: Input.Submitted) -> None:
+        message = event.value.strip()
+        if not message:
+            return
+        if self.busy:
+            self._status("still answering: Esc stops it")
+            return
+        event.input.value = ""
+        self.send(message)
+
+    def send(self, message: str) -> None:
+        """Add a user message and start answering it."""
+        self._add_message(Text(message), "user")
+        self.history.append({"role": "user", "content": message})
+        try:
+            prompt = chat_prompt(self.pair.tokenizer, self.history)
+        except Exception as e:  # a broken template is a message, not a crash
+            self.history.pop()
+            self.show_error(e)
+            return
+        eos = getattr(self.pair, "eos_token_ids", None) or ()
+        self.reply = Reply(self.pair.tokenizer, eos_ids=eos, linger=self.rejected_linger)
+        self.reply_view = self._add_message(Text(""), "assistant")
+        self._replies.append((self.reply, self.reply_view))
+        self._show_stats(self.reply.stats)
+        self.busy = True
+        self._stop = threading.Event()
+        self._status("answering… (Esc stops)")
+        options = dict(self.options)
+        if options.get("num_draft") == 0:  # K 0 is plain decoding, for comparison
+            options.pop("num_draft")
+            options["speculative"] = False
+        self._generate(prompt, options, self._stop, self.conversation_id)
+
+    @work(thread=True, exclusive=False, exit_on_error=False, group="generate")
+    def _generate(
+        self, prompt: str, options: dict[str, Any], stop: threading.Event, conversation: int
+    ) -> None:
+        import macspec
+
+        error: BaseException | None = None
+        stream = None
+        with self._pair_lock:
+            try:
+                stream = macspec.stream_generate(self.pair, prompt, **options)
+                for event in stream:
+                    if stop.is_set():
+                        break
+                    self._call(self._on_round, event, conversation)
+                    if stop.is_set():
+                        break
+            except Exception as e:  # shown in the conversation; the app keeps running
+                error = e
+            finally:
+                close = getattr(stream, "close", None)
+                if close is not None:
+                    try:
+                        close()
+                    except Exception:
+                        pass
+        self._call(self._on_done, conversation, stop.is_set(), error)
+
+    def _call(self, callback: Any, *args: Any) -> None:
+        try:
+            self.call_from_thread(callback, *args)
+        except RuntimeError:  # the app is shutting down
+            pass
+
+    def _on_round(self, event: Any, conversation: int) -> None:
+        if conversation != self.conversation_id or self.reply is None:
+            return
+        self.reply.add_round(event)
+        self._render_reply()
+        self._show_stats(self.reply.stats)
+        self._scroll_end()
+
+    def _on_done(self, conversation: int, stopped: bool, error: BaseException | None) -> None:
+        self.busy = False
+        if conversation != self.conversation_id:
+            return
+        reply, self.reply = self.reply, None
+        view, self.reply_view = self.reply_view, None
+        if error is not None:
+            if view is not None and reply is not None and not reply.spans:
+                view.remove()
+                self._replies = [(r, v) for r, v in self._replies if v is not view]
+            if isinstance(error, PromptError):  # e.g. too long: let the user try again
+                self.history.pop()
+            self.show_error(error)
+            self._status("")
+            return
+        if reply is None:
+            return
+        self.history.append({"role": "assistant", "content": reply.text})
+        stats = reply.stats
+        line = f"{finish_label(stats.finish_reason, stopped)} · {stats.rounds} rounds · "
+        line += f"{stats.emitted} tokens · acceptance {_pct(stats.acceptance_rate)}"
+        if self.timings:
+            line += f" · {_num(stats.speedup)}x plain decoding"
+        self._status(line)
+        if reply.stats.finish_reason == "context":
+            self.show_error("the context is full: ctrl+n starts a new conversation")
+        if reply.linger is not None and reply.pending_rejected():
+            # let the last rejected drafts fade like the others, then draw the final text
+            self._fading = (reply, view)
+        else:
+            self._draw(reply, view)
+
+    def _expire_rejected(self) -> None:
+        if self.reply is not None and self.reply.expire():
+            self._draw(self.reply, self.reply_view)
+        if self._fading is not None:
+            reply, view = self._fading
+            if reply.expire():
+                self._draw(reply, view)
+            if not reply.pending_rejected():
+                self._fading = None
+
+    # actions --------------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.busy:
+            self._stop.set()
+            self._status("stopping…")
+
+    def action_new_chat(self) -> None:
+        self._stop.set()
+        self.conversation_id += 1
+        self.reply, self.reply_view, self._fading = None, None, None
+        self._replies = []
+        self._reset_history()
+        self.query_one("#conversation", VerticalScroll).remove_children()
+        if self.system:
+            self._add_message(Text(f"system: {self.system}"), "system")
+        self._show_stats(Stats())
+        self._status("new conversation")
+        self.query_one("#prompt", Input).focus()
+
+    def action_toggle_rejected(self) -> None:
+        self.show_rejected = not self.show_rejected
+        self.query_one("#legend", Static).update(self._legend())
+        for reply, view in self._replies:
+            self._draw(reply, view)
+
+    def action_num_draft(self, delta: int) -> None:
+        k = int(self.options.get("num_draft") or 0) + delta
+        self.options["num_draft"] = max(0, min(MAX_K, k))
+        self._show_settings()
+
+    def action_temperature(self, delta: float) -> None:
+        t = float(self.options.get("temperature") or 0.0) + delta
+        self.options["temperature"] = round(max(0.0, min(2.0, t)), 2)
+        self._show_settings()
+
+    async def action_quit(self) -> None:
+        self._stop.set()
+        self.exit()

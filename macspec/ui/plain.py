@@ -1,0 +1,124 @@
+"""`macspec chat --plain`: the conversation as ANSI-coloured text on stdout, for scripts and logs.
+
+Reads one user message per line from stdin (or answers `--prompt` once), streams each answer with
+every token coloured by origin, then prints a one-line stats summary.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+from ..errors import MacspecError, PromptError
+from .prompt import chat_prompt
+from .transcript import DRAFT, REJECTED, TARGET, Reply, Span
+
+# 256-colour codes close to the app's Okabe-Ito blue/orange; the target's tokens are also bold
+ANSI = {DRAFT: "\x1b[38;5;74m", TARGET: "\x1b[1;38;5;214m", REJECTED: "\x1b[9;38;5;175m"}
+RESET = "\x1b[0m"
+DIM = "\x1b[2m"
+
+
+def _paint(spans: list[Span], color: bool) -> str:
+    """Spans as text, one colour sequence per run of tokens with the same origin."""
+    runs: list[tuple[str, str]] = []
+    for span in spans:
+        if span.origin == REJECTED:
+            continue
+        if runs and runs[-1][0] == span.origin:
+            runs[-1] = (span.origin, runs[-1][1] + span.text)
+        else:
+            runs.append((span.origin, span.text))
+    if not color:
+        return "".join(text for _, text in runs)
+    return "".join(f"{ANSI[origin]}{text}{RESET}" for origin, text in runs)
+
+
+def legend(color: bool) -> str:
+    if not color:
+        return ""
+    return (
+        f"{DIM}legend:{RESET} {ANSI[DRAFT]}draft accepted{RESET} "
+        f"{ANSI[TARGET]}target (correction/bonus){RESET}\n"
+    )
+
+
+def answer(
+    pair: Any,
+    messages: list[dict[str, str]],
+    options: dict[str, Any],
+    out: TextIO,
+    color: bool = True,
+) -> Reply:
+    """Stream one answer to `out`; returns the finished Reply (text + stats)."""
+    import macspec
+
+    prompt = chat_prompt(pair.tokenizer, messages)
+    eos = getattr(pair, "eos_token_ids", None) or ()
+    reply = Reply(pair.tokenizer, eos_ids=eos, linger=0.0)
+    stream = macspec.stream_generate(pair, prompt, **options)
+    try:
+        for event in stream:
+            start = len(reply.spans)
+            reply.add_round(event)
+            # a stream cannot take text back, so rejected drafts are left out here
+            out.write(_paint(reply.spans[start:], color))
+            out.flush()
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    reply.expire(everything=True)
+    return reply
+
+
+def run_plain(
+    pair: Any,
+    options: dict[str, Any],
+    *,
+    system: str | None = None,
+    prompt: str | None = None,
+    lines: Iterable[str] | None = None,
+    out: TextIO | None = None,
+    color: bool | None = None,
+) -> int:
+    """The plain chat loop; errors about one message are printed and the loop goes on."""
+    out = out or sys.stdout
+    if color is None:
+        color = "NO_COLOR" not in os.environ
+    history = [{"role": "system", "content": system}] if system else []
+    messages = [prompt] if prompt is not None else (lines if lines is not None else sys.stdin)
+    interactive = prompt is None and lines is None and sys.stdin.isatty()
+    out.write(legend(color))
+    pending = iter(messages)
+    while True:
+        if interactive:
+            out.write("> ")
+            out.flush()
+        try:
+            line = next(pending)
+        except StopIteration:
+            break
+        message = line.rstrip("\n")
+        if not message.strip():
+            continue
+        history.append({"role": "user", "content": message})
+        try:
+            reply = answer(pair, history, options, out, color)
+        except MacspecError as e:
+            out.write(f"\nmacspec: error: {e}\n")
+            out.flush()
+            if isinstance(e, PromptError):
+                history.pop()
+            if prompt is not None:
+                return e.exit_code
+            continue
+        history.append({"role": "assistant", "content": reply.text})
+        summary = reply.stats.summary()
+        out.write(f"\n{DIM}[{summary}]{RESET}\n" if color else f"\n[{summary}]\n")
+        out.flush()
+        if prompt is not None:
+            break
+    return 0

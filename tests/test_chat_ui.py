@@ -1,0 +1,308 @@
+"""`macspec chat`: the Textual app driven by a Pilot, its SVG snapshot, and the plain ANSI mode.
+
+Every test runs the real engine on tiny random models (target seed 0, draft seed 1) that agree
+part of the time, so replies hold accepted drafts, target tokens and rejected drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+import re
+
+import pytest
+from tinymodels import make_tiny_model
+
+import macspec
+from macspec import cli
+from macspec.ui import create_app
+from macspec.ui.app import STYLES
+from macspec.ui.plain import ANSI, run_plain
+from macspec.ui.prompt import chat_prompt
+from macspec.ui.transcript import DRAFT, REJECTED, TARGET, Reply, TokenTexts
+
+SIZE = (120, 36)
+
+
+def aio(test):
+    """Run an async test on a fresh event loop (no pytest async plugin needed)."""
+
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return run
+
+
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("chat")
+    target = make_tiny_model(root / "target", seed=0, context=2048)
+    draft = make_tiny_model(root / "draft", seed=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def chat_pair(chat_dirs):
+    return macspec.load(*chat_dirs)
+
+
+@pytest.fixture(scope="module")
+def short_pair(tmp_path_factory):
+    """A target whose context holds only 32 tokens."""
+    root = tmp_path_factory.mktemp("short")
+    target = make_tiny_model(root / "target", seed=0, context=32)
+    draft = make_tiny_model(root / "draft", seed=1, context=32)
+    return macspec.load(target, draft)
+
+
+def expected_text(pair, history, **options) -> str:
+    """What the engine alone answers to this conversation (the chat must show exactly this)."""
+    return macspec.generate(pair, chat_prompt(pair.tokenizer, history), **options).text
+
+
+def reply_views(app):
+    return list(app.query(".assistant"))
+
+
+def spans_by_style(view) -> dict[str, str]:
+    """Rendered text of a reply grouped by style."""
+    out: dict[str, str] = {}
+    for span in view.content.spans:
+        out[str(span.style)] = (
+            out.get(str(span.style), "") + view.content.plain[span.start : span.end]
+        )
+    return out
+
+
+async def send(app, pilot, message: str) -> None:
+    app.query_one("#prompt").focus()
+    await pilot.pause()
+    await pilot.press(*message, "enter")
+    await pilot.pause()
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+# --------------------------------------------------------------------------- the app
+
+
+@aio
+async def test_reply_is_the_engines_text_coloured_by_origin(chat_pair):
+    app = create_app(chat_pair, max_tokens=40, seed=0, rejected_linger=None, timings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hello there")
+        want = expected_text(chat_pair, [{"role": "user", "content": "hello there"}], **OPTS40)
+        assert app.history[-1] == {"role": "assistant", "content": want}
+        (view,) = reply_views(app)
+        styles = spans_by_style(view)
+        assert set(styles) == {STYLES[DRAFT], STYLES[TARGET], STYLES[REJECTED]}
+        # without the struck-through rejected drafts, the rendered text is the answer
+        shown = "".join(
+            view.content.plain[s.start : s.end]
+            for s in view.content.spans
+            if str(s.style) != STYLES[REJECTED]
+        )
+        assert shown == want
+        stats = str(app.query_one("#stats").content)
+        result = macspec.generate(
+            chat_pair,
+            chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}]),
+            **OPTS40,
+        )
+        assert f"rounds        {result.stats.rounds}" in stats
+        assert f"acceptance    {100 * result.stats.acceptance_rate:.0f}%" in stats
+        assert len(app.query_one("#chart").data) == result.stats.rounds
+        assert "max tokens reached" in str(app.query_one("#status").content)
+
+
+OPTS40 = {"max_tokens": 40, "seed": 0}
+
+
+@aio
+async def test_rejected_drafts_toggle_and_fade(chat_pair):
+    app = create_app(chat_pair, max_tokens=40, seed=0, rejected_linger=None)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hello there")
+        (view,) = reply_views(app)
+        assert STYLES[REJECTED] in spans_by_style(view)
+        await pilot.press("ctrl+r")
+        assert STYLES[REJECTED] not in spans_by_style(view)
+        assert "hidden" in str(app.query_one("#legend").content)
+        await pilot.press("ctrl+r")
+        assert STYLES[REJECTED] in spans_by_style(view)
+    # with a linger time, rejected drafts are gone once it has passed
+    reply = Reply(chat_pair.tokenizer, linger=0.5)
+    stream = macspec.stream_generate(
+        chat_pair, chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}])
+    )
+    for event in stream:
+        reply.add_round(event, now=0.0)
+    assert reply.pending_rejected()
+    assert not reply.expire(now=0.4)
+    assert reply.expire(now=0.6) and not reply.pending_rejected()
+
+
+@aio
+async def test_escape_stops_at_once_and_the_next_message_works(chat_pair):
+    app = create_app(chat_pair, max_tokens=1500, seed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*"hi", "enter")
+        while app.reply is None or app.reply.stats.rounds < 3:
+            await pilot.pause(0.01)
+        await pilot.press("escape")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert not app.busy
+        first = app.history[-1]["content"]
+        assert 0 < len(first) < 1500
+        assert "stopped (Esc)" in str(app.query_one("#status").content)
+
+        app.options["max_tokens"] = 30  # keep the second answer short
+        await send(app, pilot, "more")
+        history = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "more"},
+        ]
+        assert app.history[:3] == history
+        # the pair was left clean: the second answer is exactly the engine's own
+        assert app.history[3]["content"] == expected_text(chat_pair, history, max_tokens=30, seed=0)
+
+
+@aio
+async def test_prompt_too_long_and_full_context_are_messages(short_pair):
+    app = create_app(short_pair, max_tokens=100, seed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "this message is much longer than the context")
+        errors = [str(e.content) for e in app.query(".error")]
+        assert len(errors) == 1 and "context holds 32" in errors[0]
+        assert app.history == []  # the rejected message is not kept
+        assert not reply_views(app)
+
+        await send(app, pilot, "hi")  # fits, then fills the context
+        errors = [str(e.content) for e in app.query(".error")]
+        assert len(errors) == 2 and "context is full" in errors[1]
+        assert "context full" in str(app.query_one("#status").content)
+        assert app.is_running
+
+
+@aio
+async def test_unexpected_engine_error_is_shown_not_raised(chat_pair, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the accelerator caught fire")
+
+    monkeypatch.setattr(macspec, "stream_generate", broken)
+    app = create_app(chat_pair)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hi")
+        (error,) = app.query(".error")
+        assert str(error.content) == "unexpected error: RuntimeError: the accelerator caught fire"
+        assert app.is_running and not app.busy
+
+
+@aio
+async def test_keys_change_k_and_temperature_and_k0_is_plain(chat_pair):
+    app = create_app(chat_pair, max_tokens=12, seed=0, num_draft=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f3", "f3", "f5", "f5", "f4")
+        assert app.options["num_draft"] == 4 and app.options["temperature"] == 0.1
+        assert str(app.query_one("#settings").content).startswith("K 4   T 0.1")
+        await pilot.press("f4", "f2", "f2", "f2", "f2", "f2")  # K cannot go below 0
+        assert app.options["num_draft"] == 0 and app.options["temperature"] == 0.0
+        assert "(plain)" in str(app.query_one("#settings").content)
+        await send(app, pilot, "hi")
+        (view,) = reply_views(app)
+        assert set(spans_by_style(view)) == {STYLES[TARGET]}  # plain decoding: no drafts
+        assert "acceptance    –" in str(app.query_one("#stats").content)
+
+
+@aio
+async def test_new_chat_clears_the_conversation(chat_pair):
+    app = create_app(chat_pair, max_tokens=8, seed=0, system="be brief")
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hi")
+        assert [m["role"] for m in app.history] == ["system", "user", "assistant"]
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.history == [{"role": "system", "content": "be brief"}]
+        assert not reply_views(app)
+        assert [str(m.content) for m in app.query(".message")] == ["system: be brief"]
+
+
+def test_unknown_option_is_an_option_error(chat_pair):
+    with pytest.raises(macspec.OptionError, match="colour"):
+        create_app(chat_pair, colour="blue")
+
+
+def test_snapshot(chat_pair, snap_compare):
+    """Two exchanges at temperature 0 with rejected drafts kept on screen; timings hidden."""
+    app = create_app(chat_pair, max_tokens=40, seed=0, timings=False, rejected_linger=None)
+
+    async def run_before(pilot):
+        await send(app, pilot, "hello there")
+        await send(app, pilot, "hi")
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# --------------------------------------------------------------------------- plain mode
+
+
+def test_plain_mode_streams_ansi_coloured_answer(chat_pair, capsys):
+    out = io.StringIO()
+    rc = run_plain(chat_pair, OPTS40, prompt="hello there", out=out, color=True)
+    assert rc == 0
+    text = out.getvalue()
+    assert ANSI[DRAFT] in text and ANSI[TARGET] in text
+    lines = ANSI_RE.sub("", text).split("\n")
+    assert lines[0].startswith("legend:")
+    want = expected_text(chat_pair, [{"role": "user", "content": "hello there"}], **OPTS40)
+    assert "\n".join(lines[1:-2]) == want
+    assert re.fullmatch(r"\[\d+ rounds · 40 tokens · acceptance \d+% · .*length\]", lines[-2])
+
+
+def test_plain_mode_via_cli_reads_stdin_lines(chat_dirs, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n\nmore\n"))
+    monkeypatch.setenv("NO_COLOR", "1")
+    target, draft = chat_dirs
+    argv = ["chat", "--target", str(target), "--draft", str(draft), "--max-tokens", "10"]
+    assert cli.main([*argv, "--seed", "0", "--system", "be brief"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out
+    assert len(re.findall(r"^\[\d+ rounds · 10 tokens", out, flags=re.M)) == 2
+
+
+def test_cli_load_error_is_a_message(capsys, tmp_path):
+    missing = tmp_path / "nope"
+    assert cli.main(["chat", "--target", str(missing), "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("macspec: error: ") and "nope" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+class BytesTokenizer:
+    """One token per UTF-8 byte, decoded with replacement like byte-level BPE tokenizers."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_token_texts_put_multibyte_characters_on_their_last_byte():
+    texts = TokenTexts(BytesTokenizer())
+    pieces = [texts.add(b) for b in "hé→x".encode()]
+    assert pieces == ["h", "", "é", "", "", "→", "x"]
+    assert texts.peek("é".encode()) == "é"
+
+
+def test_token_texts_join_to_the_tokenizers_decode(chat_pair):
+    tok = chat_pair.tokenizer
+    ids = tok.encode("Once upon a time, 42 cats!", add_special_tokens=False)
+    texts = TokenTexts(tok)
+    assert "".join(texts.add(i) for i in ids) == tok.decode(ids)
