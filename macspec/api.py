@@ -413,9 +413,10 @@ def _stream(
 ) -> GenerationStream:
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
+    drafter = pair.make_drafter() if speculative else None
     steps = decode(
-        Target(pair.target, pair.vocab_size),
-        pair.make_drafter() if speculative else None,
+        Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False)),
+        drafter,
         ids,
         opts,
         max_tokens=max_tokens,

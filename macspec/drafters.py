@@ -28,16 +28,23 @@ class Proposal:
 
 class Drafter(Protocol):
     name: str
+    # True when the drafter reads the target's hidden states (then `hidden` below is given).
+    needs_hidden: bool
 
-    def start(self, prompt: list[int]) -> None:
-        """Begin a sequence whose context is `prompt` (the target holds all but its last token)."""
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        """Begin a sequence whose context is `prompt` (the target holds all but its last token).
+        `hidden`: the target's hidden states (len(prompt) - 1, H) for the positions it read."""
 
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         """Propose up to k next tokens (lazily evaluated arrays are fine)."""
 
-    def commit(self, k: int, accepted: int, emitted: list[int]) -> None:
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
         """After verification: `accepted` of the k proposed were kept, then `emitted` (the kept
-        drafts plus the target's token) extend the context. k == 0 is a plain target step."""
+        drafts plus the target's token) extend the context. k == 0 is a plain target step.
+        `hidden`: the target's hidden states at the positions it kept this round, i.e. the
+        previous last id and the accepted drafts (accepted + 1 rows)."""
 
     def abort(self, k: int) -> None:
         """Undo a proposal of k tokens whose round failed, so the next round starts clean."""
@@ -57,6 +64,7 @@ class ModelDrafter:
     target's last token, or the last draft and the target's token after a full acceptance."""
 
     name = "model"
+    needs_hidden = False
 
     def __init__(self, model: nn.Module, vocab_size: int):
         self.model = model
@@ -65,7 +73,7 @@ class ModelDrafter:
         self.pending: list[int] = []
         self._offset = 0  # cache length before the current proposal, for abort()
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
         self.cache = make_prompt_cache(self.model)
         prefill(self.model, self.cache, prompt[:-1])
         self.pending = prompt[-1:]
@@ -85,7 +93,9 @@ class ModelDrafter:
             inputs = token
         return Proposal(mx.concatenate(tokens), mx.concatenate(probs))
 
-    def commit(self, k: int, accepted: int, emitted: list[int]) -> None:
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
         if k == 0:
             self.pending += emitted
             return

@@ -50,26 +50,52 @@ class Timing:
 
 
 class Target:
-    """The target model and its KV cache; logits are cut to the ids both models share."""
+    """The target model and its KV cache; logits are cut to the ids both models share.
 
-    def __init__(self, model: nn.Module, vocab_size: int):
+    With `keep_hidden`, every forward pass also leaves the last hidden states of the positions
+    it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does)."""
+
+    def __init__(self, model: nn.Module, vocab_size: int, keep_hidden: bool = False):
         self.model = model
         self.vocab_size = vocab_size
         self.cache: list = []
+        self.keep_hidden = keep_hidden
+        self.hidden: mx.array | None = None  # (positions, hidden_size) of the last forward pass
 
     def start(self, prompt: list[int]) -> None:
         self.cache = make_prompt_cache(self.model)
-        prefill(self.model, self.cache, prompt[:-1])
+        if self.keep_hidden:
+            self.hidden = hidden_states(self.model, mx.array(prompt[:-1]), self.cache)
+            mx.eval(self.hidden)
+        else:
+            prefill(self.model, self.cache, prompt[:-1])
 
     @property
     def offset(self) -> int:
         return self.cache[0].offset
 
     def logits(self, tokens: mx.array) -> mx.array:
-        return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
+        if not self.keep_hidden:
+            return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
+        self.hidden = hidden_states(self.model, tokens, self.cache)
+        return output_head(self.model, self.hidden)[:, : self.vocab_size]
 
     def trim_to(self, length: int) -> None:
         trim_prompt_cache(self.cache, self.offset - length)
+
+
+def hidden_states(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
+    """Final (normed) hidden states (n, hidden) of an mlx-lm decoder: `model.model` is the trunk."""
+    if tokens.size == 0:
+        return mx.zeros((0, model.args.hidden_size))
+    return model.model(tokens[None], cache=cache)[0]
+
+
+def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
+    """Logits from hidden states: the untied lm_head, or the tied input embedding."""
+    if getattr(model, "lm_head", None) is not None:
+        return model.lm_head(hidden)
+    return model.model.embed_tokens.as_linear(hidden)
 
 
 def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
@@ -136,7 +162,8 @@ def speculative_round(
         # Rewind: the target keeps `last` and the n accepted drafts; a failed round keeps nothing.
         target.trim_to(start + 1 + n if done else start)
         if done:
-            drafter.commit(k, n, drafts[:n] + [token])
+            kept_hidden = target.hidden[: n + 1] if target.hidden is not None else None
+            drafter.commit(k, n, drafts[:n] + [token], kept_hidden)
         else:
             drafter.abort(k)
 
@@ -168,7 +195,7 @@ def decode(
     t0 = perf_counter()
     target.start(prompt)
     if drafter is not None:
-        drafter.start(prompt)
+        drafter.start(prompt, target.hidden)
     prefill_time = perf_counter() - t0
     generated = 0
     while True:
@@ -187,7 +214,7 @@ def decode(
             verify_time = perf_counter() - t0
             timing.observe_plain_step(verify_time)
             if drafter is not None:
-                drafter.commit(0, 0, [token])
+                drafter.commit(0, 0, [token], target.hidden)
         round_time = perf_counter() - t0
 
         emitted = (drafts[:n] + [token])[:room]
