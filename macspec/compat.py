@@ -77,10 +77,12 @@ class CompatReport:
 
     @property
     def usable_vocab(self) -> int:
-        """Ids both models accept: the smaller embedding (tokenizer size where rows are unknown)."""
-        t = self.target_tokens if self.target_rows is None else self.target_rows
-        d = self.draft_tokens if self.draft_rows is None else self.draft_rows
-        return min(t, d)
+        """Ids speculation samples from, as `macspec.load` sets `Pair.vocab_size`: the target's
+        tokens, cut to both embeddings (to the draft's tokens where its rows are unknown)."""
+        rows = [r for r in (self.target_rows, self.draft_rows) if r is not None]
+        if self.draft_rows is None:
+            rows.append(self.draft_tokens)
+        return min(self.target_tokens, *rows)
 
     def raise_for_errors(self) -> CompatReport:
         """Raise CompatError naming both models and the first problem; return self if compatible."""
@@ -105,7 +107,7 @@ class CompatReport:
         lines = [
             side("target", self.target, self.target_tokens, self.target_rows),
             side("draft", self.draft, self.draft_tokens, self.draft_rows),
-            f"ids both models accept: {self.usable_vocab}",
+            f"ids speculation samples from: {self.usable_vocab}",
             "",
         ]
         shared = min(self.target_tokens, self.draft_tokens)
@@ -272,12 +274,13 @@ def check_tokenizers(
     return report
 
 
-def _embedding_rows(path: Path) -> int | None:
+def _config_rows(path: Path) -> int | None:
+    # From config.json, so that checking never loads weights.
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    rows = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    rows = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return int(rows) if rows else None
 
 
@@ -310,8 +313,8 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
     report = check_tokenizers(
         _load_tokenizer(target_dir),
         _load_tokenizer(draft_dir),
-        target_rows=_embedding_rows(target_dir),
-        draft_rows=_embedding_rows(draft_dir),
+        target_rows=_config_rows(target_dir),
+        draft_rows=_config_rows(draft_dir),
         probes=probe or (),
         target_name=str(target_dir),
         draft_name=str(draft_dir),

@@ -214,9 +214,13 @@ def test_load_refuses_a_draft_with_another_tokenizer(target, tmp_path):
         macspec.load(str(target), str(draft))
 
 
-def test_load_accepts_a_padded_draft(target, tmp_path):
+def test_load_accepts_padded_models_and_agrees_on_the_vocabulary(tmp_path):
     import macspec
 
+    # Both embeddings padded past the tokenizer, as real checkpoints are: padding is never sampled.
+    padded = make_tiny_model(tmp_path / "target", vocab_rows=N_TOKENS + 16)
     draft = make_tiny_model(tmp_path / "draft", seed=2, vocab_rows=N_TOKENS + 8)
-    pair = macspec.load(str(target), str(draft))
-    assert pair.vocab_size == N_TOKENS
+    pair = macspec.load(str(padded), str(draft))
+    report = check(padded, draft)
+    assert report.compatible
+    assert pair.vocab_size == report.usable_vocab == N_TOKENS
