@@ -1,0 +1,202 @@
+"""`macspec bench` on a tiny pair: it runs, and its numbers are consistent with each other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tinymodels import make_tiny_model
+
+from macspec import bench as bm
+from macspec.cli import main
+from macspec.errors import OptionError, PromptError
+from macspec.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts, render
+
+
+@pytest.fixture(scope="module")
+def same_pair(tmp_path_factory):
+    """Draft == target: at temperature 0 every draft must be accepted."""
+    root = tmp_path_factory.mktemp("bench")
+    target = make_tiny_model(root / "t", seed=5, hidden=48, context=2048)
+    draft = make_tiny_model(root / "d", seed=5, hidden=48, context=2048)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def result(same_pair, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out")
+    return bm.bench(
+        *same_pair,
+        kinds="chat,grounded",
+        per_kind=1,
+        max_tokens=12,
+        temperature="0,0.7",
+        num_draft="2,3",
+        repeats=2,
+        output=out,
+        quiet=True,
+    )
+
+
+def test_every_method_is_run_or_skipped_with_a_reason(result):
+    labels = result["meta"]["methods"]
+    skipped = {s["method"]: s["reason"] for s in result["skipped"]}
+    for name in bm.METHODS:
+        ran = [r for r in result["runs"] if r["method"] == name]
+        assert ran or skipped.get(name), name
+    assert "mlx-lm plain" in labels and "macspec K=2" in labels and "mlx-lm spec K=3" in labels
+    runs_per_method = 2 * 2 * 2  # temperatures x prompts x repeats
+    for label in labels:
+        assert sum(r["label"] == label for r in result["runs"]) == runs_per_method
+
+
+def test_summary_is_consistent(result):
+    rows = result["summary"]
+    base = {
+        (r["temperature"], r["kind"]): r["tok_s"]["median"] for r in rows if r["method"] == "mlx_lm"
+    }
+    assert set(base) == {(t, k) for t in (0.0, 0.7) for k in ("chat", "grounded", "all")}
+    for r in rows:
+        ts = r["tok_s"]
+        assert ts["min"] <= ts["median"] <= ts["max"] and ts["median"] > 0
+        assert r["speedup"] == pytest.approx(ts["median"] / base[(r["temperature"], r["kind"])])
+        if r["method"] == "mlx_lm":
+            assert r["speedup"] == 1.0
+        if r["acceptance_rate"] is not None:
+            assert 0.0 <= r["acceptance_rate"] <= 1.0
+            assert 1.0 <= r["mean_accepted_length"] <= r["num_draft"] + 1
+            assert all(0.0 <= a <= 1.0 for a in r["per_position_acceptance"])
+            assert len(r["per_position_acceptance"]) <= r["num_draft"]
+        if r["time_split"] is not None:
+            assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=1e-6)
+        assert r["peak_memory_bytes"] > 0 and r["weight_read_gbs"] > 0
+        assert r["bandwidth_fraction"] == pytest.approx(
+            r["weight_read_gbs"] / result["meta"]["bandwidth_gbs"]
+        )
+
+
+def test_identical_draft_is_always_accepted_at_temperature_zero(result):
+    greedy = [
+        r
+        for r in result["summary"]
+        if r["temperature"] == 0.0 and r["method"] in ("macspec", "mlx_lm_spec")
+    ]
+    assert len(greedy) == 2 * 2 * 3  # two methods, K in (2, 3), kinds chat, grounded, all
+    for r in greedy:
+        assert r["acceptance_rate"] == 1.0, r["label"]
+        assert r["per_position_acceptance"] == [1.0] * r["num_draft"]
+
+
+def test_greedy_text_is_the_same_for_every_method(result):
+    # Exactness at temperature 0: each method gives mlx-lm's own greedy output.
+    runs = [r for r in result["runs"] if r["temperature"] == 0.0]
+    for prompt in {r["prompt"] for r in runs}:
+        texts = {r["label"]: r["text"] for r in runs if r["prompt"] == prompt and r["repeat"] == 0}
+        assert len(set(texts.values())) == 1, texts
+
+
+def test_json_and_charts_are_written(result):
+    files = result["files"]
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["bench.json", "speedup.png", "acceptance.png"]
+    saved = json.loads(open(files[0]).read())
+    assert saved["summary"] == json.loads(json.dumps(result["summary"]))
+    for png in files[1:]:
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    table = bm.format_table(result)
+    assert "mlx-lm plain" in table and "temperature 0.7" in table
+
+
+def test_cli_bench(same_pair, tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["bench", "--target", same_pair[0], "--draft", same_pair[1], "--kinds", "code"]
+    argv += ["--per-kind", "1", "--max-tokens", "6", "--temperature", "0", "--num-draft", "2"]
+    argv += ["--repeats", "1", "--methods", "mlx_lm,macspec_plain", "--no-charts"]
+    assert main([*argv, "--output", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "macspec plain" in captured.out and "[2/2]" in captured.err
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["meta"]["methods"] == ["mlx-lm plain", "macspec plain"]
+    assert not (out / "speedup.png").exists()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": "zero"},
+        {"temperature": "-1"},
+        {"num_draft": "0"},
+        {"methods": "mlx_lm,warp"},
+        {"kinds": "poetry"},
+        {"max_tokens": 1},
+    ],
+)
+def test_bad_options(same_pair, kwargs):
+    with pytest.raises(OptionError):
+        bm.bench(*same_pair, quiet=True, **kwargs)
+
+
+def test_cli_bad_option_is_a_message(same_pair, capsys):
+    assert main(["bench", "--target", same_pair[0], "--num-draft", "x"]) == 2
+    assert "num_draft" in capsys.readouterr().err
+
+
+def test_summarise_exact_numbers():
+    def rec(method, label, rep, tokens, seconds, drafted=0, accepted=0, k=0):
+        r = bm.RunRecord(method, label, k, "chat", "chat-1", 0.0, rep, rep)
+        r.decode_tokens, r.decode_time, r.passes = tokens, seconds, tokens
+        if drafted:
+            r.drafted, r.accepted, r.spec_rounds = drafted, accepted, drafted // k
+            r.drafted_at, r.accepted_at = [drafted // k] * k, [accepted // k] * k
+            r.passes = r.spec_rounds
+        r.peak_memory = 100
+        return r
+
+    records = [
+        rec("mlx_lm", "mlx-lm plain", 0, 10, 1.0),
+        rec("mlx_lm", "mlx-lm plain", 1, 10, 2.0),
+        rec("mlx_lm", "mlx-lm plain", 2, 10, 0.5),
+        rec("macspec", "macspec K=2", 0, 30, 1.0, drafted=20, accepted=10, k=2),
+    ]
+    rows = {(r["label"], r["kind"]): r for r in bm.summarise(records, 1000, 1.0)}
+    base = rows[("mlx-lm plain", "all")]
+    assert base["tok_s"] == {"median": 10.0, "min": 5.0, "max": 20.0}
+    spec = rows[("macspec K=2", "chat")]
+    assert spec["speedup"] == 3.0
+    assert spec["acceptance_rate"] == 0.5
+    assert spec["mean_accepted_length"] == 2.0  # (10 accepted + 10 rounds) / 10 rounds
+    assert spec["per_position_acceptance"] == [0.5, 0.5]
+    assert spec["weight_read_gbs"] == pytest.approx(10 * 1000 / 1e9)  # 10 passes/s x 1000 B
+
+
+def test_builtin_prompts_cover_every_kind():
+    assert set(BUILTIN) == set(KINDS)
+    prompts = builtin_prompts()
+    assert {p.kind for p in prompts} == set(KINDS)
+    assert len({p.name for p in prompts}) == len(prompts)
+    assert [p.name for p in builtin_prompts(["code"], per_kind=2)] == ["code-1", "code-2"]
+    with pytest.raises(OptionError):
+        builtin_prompts(["poetry"])
+
+
+def test_prompt_files(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"kind": "code", "prompt": "a"}\n{"prompt": "b"}\n')
+    assert [(p.kind, p.text) for p in load_prompts(jsonl)] == [("code", "a"), ("custom", "b")]
+    text = tmp_path / "p.txt"
+    text.write_text("first\n\nsecond\n")
+    assert [p.text for p in load_prompts(text)] == ["first", "second"]
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(PromptError, match="no prompts"):
+        load_prompts(tmp_path / "empty.txt")
+    with pytest.raises(PromptError, match="cannot read"):
+        load_prompts(tmp_path / "missing.txt")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(PromptError, match="entry 1"):
+        load_prompts(tmp_path / "bad.json")
+
+
+def test_render_uses_the_chat_template(same_pair):
+    import macspec
+
+    pair = macspec.load(same_pair[0])
+    assert render(pair.tokenizer, "hi") == "user: hi\nassistant: "
