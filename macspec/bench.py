@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import sys
 import time
@@ -507,6 +508,14 @@ def plan_methods(
     return plan, skipped
 
 
+def _loadavg() -> str | None:
+    # The bench shares the machine with whatever else runs: say how busy it was.
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (OSError, AttributeError):
+        return None
+
+
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -633,6 +642,7 @@ def bench(
             "num_draft": ks,
             "repeats": repeats,
             "seed": seed,
+            "loadavg": _loadavg(),
             "kinds": kind_order,
             "prompts": [{"kind": p.kind, "name": p.name, "tokens": len(ids)} for p, ids in encoded],
             "methods": [m.label for m in plan],

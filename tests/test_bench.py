@@ -200,3 +200,23 @@ def test_render_uses_the_chat_template(same_pair):
 
     pair = macspec.load(same_pair[0])
     assert render(pair.tokenizer, "hi") == "user: hi\nassistant: "
+
+
+def test_readme_script_replaces_only_the_results_block(result, tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_readme.py"
+    spec = importlib.util.spec_from_file_location("bench_readme", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n<!-- section:bench -->\nintro\n{mod.START}\nold\n{mod.END}\nafter\n")
+    charts = tmp_path / "docs"
+    assert mod.main([result["files"][0], "--readme", str(readme), "--charts", str(charts)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# x\n<!-- section:bench -->\nintro\n") and text.endswith("\nafter\n")
+    assert "old" not in text and "| mlx-lm plain |" in text and "| macspec K=3 |" in text
+    assert "![speedup](docs/speedup.png)" in text and (charts / "acceptance.png").is_file()
+    readme.write_text("no markers")
+    assert mod.main([result["files"][0], "--readme", str(readme)]) == 1

@@ -1,0 +1,187 @@
+"""Regenerate the README's benchmark results from a `macspec bench` JSON run.
+
+    python scripts/bench_readme.py runs/bench-X/bench.json [--readme README.md] [--charts DIR]
+
+Replaces the text between `<!-- bench:results -->` and `<!-- /bench:results -->` in the README,
+and copies the run's charts into `--charts` (linked from the results) when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
+MACSPEC_SPEC = ("macspec", "macspec_adaptive")
+
+
+def _x(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _rows(result: dict, temp: float, kind: str = "all") -> list[dict]:
+    return [r for r in result["summary"] if r["temperature"] == temp and r["kind"] == kind]
+
+
+def _cell(result: dict, temp: float, label: str, kind: str) -> dict | None:
+    return next((r for r in _rows(result, temp, kind) if r["label"] == label), None)
+
+
+def targets(result: dict) -> list[str]:
+    """The issue's goals, checked against this run (only those the run can answer)."""
+    lines = []
+
+    def best(temp: float, kind: str, methods: tuple[str, ...]) -> dict | None:
+        cands = [r for r in _rows(result, temp, kind) if r["method"] in methods and r["speedup"]]
+        return max(cands, key=lambda r: r["speedup"], default=None)
+
+    temps = result["meta"]["temperatures"]
+    for temp, goal in ((0.0, 1.5), (0.7, 1.3)):
+        if temp in temps and (b := best(temp, "chat", MACSPEC_SPEC)):
+            ok = "met" if b["speedup"] >= goal else "NOT met"
+            lines.append(
+                f"macspec ≥ {goal}x plain on chat at T={temp}: best {b['label']} "
+                f"{b['speedup']:.2f}x — {ok}"
+            )
+    if 0.7 in temps:
+        for r in _rows(result, 0.7):
+            if r["method"] != "macspec":
+                continue
+            m = next(
+                (
+                    x
+                    for x in _rows(result, 0.7)
+                    if x["method"] == "mlx_lm_spec" and x["num_draft"] == r["num_draft"]
+                ),
+                None,
+            )
+            if m and r["tok_s"] and m["tok_s"]:
+                ok = (
+                    r["mean_accepted_length"] > m["mean_accepted_length"]
+                    and r["tok_s"]["median"] > m["tok_s"]["median"]
+                )
+                lines.append(
+                    f"T=0.7, K={r['num_draft']}: macspec accepted length "
+                    f"{r['mean_accepted_length']:.2f} vs mlx-lm {m['mean_accepted_length']:.2f}, "
+                    f"{r['tok_s']['median']:.1f} vs {m['tok_s']['median']:.1f} tok/s — "
+                    f"{'met' if ok else 'NOT met'}"
+                )
+    if b := best(0.0, "grounded", ("macspec_ngram",)):
+        ok = "met" if b["speedup"] >= 1.5 else "NOT met"
+        lines.append(f"n-gram ≥ 1.5x on grounded prompts: {b['speedup']:.2f}x at T=0 — {ok}")
+    spec = [
+        r
+        for r in result["summary"]
+        if r["method"] in (*MACSPEC_SPEC, "macspec_ngram") and r["speedup"] and r["kind"] != "all"
+    ]
+    if spec:
+        worst = min(spec, key=lambda r: r["speedup"])
+        ok = "met" if worst["speedup"] >= 0.95 else "NOT met"
+        lines.append(
+            f"never below 0.95x plain: worst {worst['label']} on {worst['kind']} at "
+            f"T={worst['temperature']}: {worst['speedup']:.2f}x — {ok}"
+        )
+    return lines
+
+
+def render(result: dict, charts: list[str]) -> str:
+    meta = result["meta"]
+    kinds = meta["kinds"]
+    out = [
+        f"Measured by `macspec bench` on {meta['date'][:10]}: {meta['device']}, backend "
+        f"{meta['backend']}, BLAS {meta['blas']}, mlx {meta['mlx']}; memory bandwidth "
+        f"{meta['bandwidth_gbs']:.1f} GB/s (copy). Target `{Path(meta['target']).name}` "
+        f"({meta['target_weight_bytes'] / 1e6:.0f} MB of weights), draft "
+        f"`{Path(meta['draft']).name if meta['draft'] else 'none'}`; {len(meta['prompts'])} "
+        f"prompts ({', '.join(kinds)}), {meta['max_tokens']} tokens max, {meta['repeats']} "
+        f"repeats, seed {meta['seed']}.",
+    ]
+    if meta.get("loadavg"):
+        out[0] += f" Load average during the run: {meta['loadavg']}."
+    out.append("")
+    for temp in meta["temperatures"]:
+        out.append(f"**Temperature {temp}** (speedup against mlx-lm's own plain decoding)")
+        out.append("")
+        head = [
+            "method",
+            "tok/s median (min–max)",
+            "speedup",
+            *kinds,
+            "acceptance",
+            "accepted length",
+            "weights read GB/s (of bandwidth)",
+        ]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in _rows(result, temp):
+            ts = r["tok_s"]
+            tok = f"{ts['median']:.1f} ({ts['min']:.1f}–{ts['max']:.1f})" if ts else "–"
+            per_kind = [
+                _x((c or {}).get("speedup"))
+                for c in (_cell(result, temp, r["label"], k) for k in kinds)
+            ]
+            bw = r["bandwidth_fraction"]
+            cells = [
+                r["label"],
+                tok,
+                _x(r["speedup"]),
+                *per_kind,
+                _f(r["acceptance_rate"]),
+                _f(r["mean_accepted_length"]),
+                f"{r['weight_read_gbs']:.2f} ({bw:.0%})" if bw is not None else "–",
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    for s in result.get("skipped", []):
+        out.append(f"- not measured: {s['method']} — {s['reason']}")
+    goals = targets(result)
+    if goals:
+        out.append("")
+        out.append("Speed goals, checked on this run:")
+        out += [f"- {g}" for g in goals]
+    if charts:
+        out.append("")
+        out += [f"![{Path(c).stem}]({c})" for c in charts]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", type=Path, help="bench.json written by `macspec bench`")
+    ap.add_argument("--readme", type=Path, default=Path("README.md"))
+    ap.add_argument("--charts", type=Path, help="copy the run's PNG charts here and link them")
+    args = ap.parse_args(argv)
+    try:
+        result = json.loads(args.json.read_text())
+        readme = args.readme.read_text()
+    except (OSError, json.JSONDecodeError) as e:
+        print(f"bench_readme: {e}", file=sys.stderr)
+        return 1
+    if START not in readme or END not in readme:
+        print(f"bench_readme: {args.readme} lacks {START} ... {END}", file=sys.stderr)
+        return 1
+    links = []
+    if args.charts:
+        args.charts.mkdir(parents=True, exist_ok=True)
+        for name in ("speedup.png", "acceptance.png"):
+            src = args.json.parent / name
+            if src.is_file():
+                shutil.copy(src, args.charts / name)
+                rel = (args.charts / name).resolve().relative_to(args.readme.resolve().parent)
+                links.append(rel.as_posix())
+    head, rest = readme.split(START, 1)
+    _, tail = rest.split(END, 1)
+    args.readme.write_text(f"{head}{START}\n{render(result, links)}\n{END}{tail}")
+    print(f"updated {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
