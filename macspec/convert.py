@@ -1,0 +1,308 @@
+"""`macspec convert`: a Hugging Face repo, a local Hugging Face directory or a GGUF file -> an MLX
+model in the store, optionally quantized by mlx-lm. Written atomically; never runs repo code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import ConvertError, OptionError
+from .store import INFO_FILE, staging, store_root, validate_name
+
+Q_CHOICES = ("4", "8", "none", "keep")
+DTYPES = ("float16", "bfloat16", "float32")
+GROUP_SIZES = (32, 64, 128)
+# Only what an MLX model needs: never pickles (*.bin, *.pth), code (*.py) or other formats.
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+_REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
+def _say(msg: str) -> None:
+    print(f"macspec: {msg}", file=sys.stderr, flush=True)
+
+
+def _source_kind(source: str) -> tuple[str, Any]:
+    """("gguf", Path) | ("dir", Path) | ("hub", repo_id)."""
+    from .gguf import is_gguf
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        if is_gguf(path):
+            return "gguf", path.resolve()
+        raise ConvertError(f"{path}: not a GGUF file nor a model directory")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConvertError(f"{path}: not a Hugging Face model directory (no config.json)")
+        return "dir", path.resolve()
+    if _REPO_RE.fullmatch(source) and ".." not in source and not source.startswith((".", "/")):
+        return "hub", source
+    raise ConvertError(
+        f"{source!r} is neither an existing directory or GGUF file nor a Hugging Face repo id "
+        "(like HuggingFaceTB/SmolLM2-135M-Instruct)"
+    )
+
+
+def download(repo_id: str, revision: str | None = None) -> Path:
+    """Snapshot of a Hub repo (cached, resumable; HF_TOKEN is used for gated repos)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    _say(f"fetching {repo_id} (resumable; Hugging Face cache: {constants.HF_HUB_CACHE})")
+    try:
+        path = snapshot_download(repo_id, revision=revision, allow_patterns=HUB_PATTERNS)
+    except GatedRepoError as e:
+        raise ConvertError(
+            f"{repo_id} is gated: accept its licence at https://huggingface.co/{repo_id} and set "
+            "HF_TOKEN to a token of that account (or run `hf auth login`)"
+        ) from e
+    except RepositoryNotFoundError as e:
+        raise ConvertError(
+            f"{repo_id}: repository not found, or private and not readable with your token "
+            "(set HF_TOKEN if it is yours)"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise ConvertError(f"{repo_id}: revision {revision!r} not found") from e
+    except LocalEntryNotFoundError as e:
+        raise ConvertError(
+            f"cannot reach huggingface.co and {repo_id} is not in the local cache: connect to the "
+            "internet (or unset HF_HUB_OFFLINE), or convert a local directory or GGUF file"
+        ) from e
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in (401, 403):
+            raise ConvertError(f"{repo_id}: not authorised (HTTP {status}); set HF_TOKEN") from e
+        raise ConvertError(f"{repo_id}: download failed ({e})") from e
+    except OSError as e:
+        raise ConvertError(f"{repo_id}: download failed ({e})") from e
+    return Path(path)
+
+
+def check_safe(src: Path) -> dict:
+    """The source's config, after refusing anything that would need the repo's own Python code."""
+    try:
+        config = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{src / 'config.json'}: unreadable ({e})") from e
+    tok_config = {}
+    if (src / "tokenizer_config.json").is_file():
+        try:
+            tok_config = json.loads((src / "tokenizer_config.json").read_text())
+        except ValueError as e:
+            raise ConvertError(f"{src / 'tokenizer_config.json'}: unreadable ({e})") from e
+    for file, cfg in (("config.json", config), ("tokenizer_config.json", tok_config)):
+        code = [k for k in ("auto_map", "model_file") if k in cfg]
+        if code:
+            raise ConvertError(
+                f"{src / file} asks to run the repository's own Python code ({', '.join(code)}); "
+                "macspec never executes code from a model repo (no trust_remote_code). Use a model "
+                "whose architecture mlx-lm implements itself."
+            )
+    from mlx_lm.utils import _get_classes
+
+    try:
+        _get_classes(config)
+    except (ValueError, KeyError, ImportError) as e:
+        raise ConvertError(
+            f"{src}: architecture {config.get('model_type')!r} is not supported by mlx-lm ({e})"
+        ) from e
+    if not any(src.glob("*.safetensors")):
+        raise ConvertError(
+            f"{src}: no *.safetensors weights (macspec does not load pickled PyTorch .bin files)"
+        )
+    return config
+
+
+def _default_name(kind: str, source: str, q: str, dtype: str | None) -> str:
+    base = Path(source).stem if kind == "gguf" else Path(source.rstrip("/")).name
+    base = re.sub(r"[^A-Za-z0-9._+-]", "-", base).lstrip(".-") or "model"
+    suffix = {"4": "-4bit", "8": "-8bit"}.get(q, "")
+    if q == "none" and dtype:
+        suffix = {"float32": "-f32", "float16": "-f16", "bfloat16": "-bf16"}[dtype]
+    return base[:110] + suffix
+
+
+def _quant_predicate(model: Any, group_size: int, embed_8bit: bool):
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: Any):
+        if embed_8bit and path.endswith(("embed_tokens", "lm_head")):
+            return {"group_size": group_size, "bits": 8, "mode": "affine"}
+        return own(path, module) if own else True
+
+    return predicate
+
+
+def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, embed_8bit: bool):
+    """Cast, dequantize or quantize the loaded model as asked; returns (model, config)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import dequantize_model, quantize_model
+
+    target = getattr(mx, dtype)
+    cast = getattr(model, "cast_predicate", lambda _: True)
+
+    def set_dtype(k, v):
+        if cast(k) and mx.issubdtype(v.dtype, mx.floating):
+            return v.astype(target)
+        return v
+
+    # Cast first (quantization scales/biases included) so that dequantizing computes in `dtype`.
+    model.update(tree_map_with_path(set_dtype, model.parameters()))
+    if q != "keep" and ("quantization" in config or "quantization_config" in config):
+        config.pop("quantization", None)
+        config.pop("quantization_config", None)
+        model = dequantize_model(model)
+    config["torch_dtype"] = dtype
+    if q in ("4", "8"):
+        model, config = quantize_model(
+            model,
+            config,
+            group_size,
+            int(q),
+            mode="affine",
+            quant_predicate=_quant_predicate(model, group_size, embed_8bit),
+        )
+    return model, config
+
+
+def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict) -> None:
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(out, model, donate_model=True)
+    save_config(config, config_path=out / "config.json")
+    tokenizer.save_pretrained(str(out))
+    if (src / "generation_config.json").is_file():
+        shutil.copy(src / "generation_config.json", out)
+    (out / INFO_FILE).write_text(json.dumps(info, indent=2))
+
+
+def convert(
+    source: str,
+    output: str | None = None,
+    q: str = "none",
+    group_size: int = 64,
+    dtype: str | None = None,
+    force: bool = False,
+    embed_8bit: bool = False,
+    revision: str | None = None,
+) -> Path:
+    """Convert `source` into the store as `output` (default: derived from the source name).
+
+    q: "4"/"8" quantize (affine, `group_size`); "none" keeps full precision (dequantizing a
+    quantized source); "keep" keeps a source's quantization (e.g. a GGUF's Q4_1/Q8_0 blocks as-is).
+    dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: the source's, else
+    float16). embed_8bit: keep the embeddings and the output head at 8 bits when quantizing.
+    Returns the new model's directory.
+    """
+    q = str(q).lower().removesuffix("bit")
+    if q not in Q_CHOICES:
+        raise OptionError(f"-q must be one of {', '.join(Q_CHOICES)}, not {q!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if group_size not in GROUP_SIZES:
+        raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
+    kind, src = _source_kind(source)
+    name = validate_name(output) if output else _default_name(kind, source, q, dtype)
+    dest = store_root() / name
+    if dest.exists() and not force:
+        raise ConvertError(f"{dest} already exists; pass --force to replace it")
+    if kind == "hub":
+        src = download(src, revision)  # into the Hugging Face cache, before touching the store
+
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    start = time.perf_counter()
+    with staging(name, force=force) as tmp:
+        if kind == "gguf":
+            from .gguf import gguf_to_hf
+
+            _say(f"reading {src}")
+            model_src = tmp / ".gguf-raw"  # intermediate HF layout, removed before publishing
+            gguf_to_hf(src, model_src)
+        else:
+            model_src = src
+        config = check_safe(model_src)
+        chosen = dtype or config.get("torch_dtype") or config.get("dtype")
+        chosen = chosen if chosen in DTYPES else "float16"
+        try:
+            model, config = load_model(model_src, lazy=True)
+        except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+            raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
+        try:
+            tokenizer = load_tokenizer(model_src)
+        except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+            raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
+        model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
+        info = {
+            "source": str(source) if kind == "hub" else str(src),
+            "kind": kind,
+            "q": q,
+            "group_size": group_size if q in ("4", "8") else None,
+            "dtype": chosen,
+            "embed_8bit": embed_8bit,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        try:
+            _write(model, tokenizer, config, model_src, tmp, info)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
+        del model
+        shutil.rmtree(tmp / ".gguf-raw", ignore_errors=True)
+    _say(f"converted {source} -> {dest} ({time.perf_counter() - start:.1f} s)")
+    return dest
+
+
+def _run(args: argparse.Namespace) -> int:
+    kwargs = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+
+    def on_term(signum, frame):  # SIGTERM cleans up like Ctrl-C: nothing half-written stays
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        path = convert(**kwargs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(path)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "convert",
+        help="fetch/convert a model into the local store",
+        description="Convert a Hugging Face repo id, a local Hugging Face directory or a GGUF file "
+        "into an MLX model in the store (see `macspec models`).",
+    )
+    p.add_argument("source", help="HF repo id (org/name), model directory, or .gguf file")
+    p.add_argument("-o", "--output", metavar="NAME", help="store name (default: from the source)")
+    p.add_argument(
+        "-q",
+        dest="q",
+        default="none",
+        choices=Q_CHOICES,
+        help="quantize to 4 or 8 bits, 'none' for full precision, 'keep' a source's quantization",
+    )
+    p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES)
+    p.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized tensors")
+    p.add_argument(
+        "--embed-8bit",
+        action="store_true",
+        help="with -q 4: keep embeddings and the output head at 8 bits",
+    )
+    p.add_argument("--revision", help="HF branch, tag or commit")
+    p.add_argument("--force", action="store_true", help="replace an existing store entry")
+    p.set_defaults(func=_run)

