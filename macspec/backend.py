@@ -40,6 +40,10 @@ def openblas_candidates() -> list[Path]:
     for lib in (f"/usr/lib/{arch}-linux-gnu", "/usr/lib64", "/usr/lib"):
         for variant in _OPENBLAS_VARIANTS:
             paths.append(Path(lib, variant, "libopenblas.so.0"))
+    # `pip install cmeel-openblas` ships unprefixed symbols too (it needs the system libgfortran5).
+    for entry in sys.path:
+        if entry.endswith("site-packages"):
+            paths.append(Path(entry, "cmeel.prefix", "lib", "libopenblas.so.0"))
     return paths
 
 
