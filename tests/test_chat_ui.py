@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import io
 import re
 
@@ -23,6 +24,13 @@ from macspec.ui.prompt import chat_prompt
 from macspec.ui.transcript import DRAFT, REJECTED, TARGET, Reply, TokenTexts
 
 SIZE = (120, 36)
+# adaptive K follows measured timings; fixed K makes rounds (and so colours) reproducible
+FIXED = (
+    {"adaptive": False}
+    if "adaptive" in inspect.signature(macspec.stream_generate).parameters
+    else {}
+)
+OPTS40 = {"max_tokens": 40, "seed": 0, **FIXED}
 
 
 def aio(test):
@@ -93,7 +101,7 @@ async def send(app, pilot, message: str) -> None:
 
 @aio
 async def test_reply_is_the_engines_text_coloured_by_origin(chat_pair):
-    app = create_app(chat_pair, max_tokens=40, seed=0, rejected_linger=None, timings=False)
+    app = create_app(chat_pair, **OPTS40, rejected_linger=None, timings=False)
     async with app.run_test(size=SIZE) as pilot:
         await send(app, pilot, "hello there")
         want = expected_text(chat_pair, [{"role": "user", "content": "hello there"}], **OPTS40)
@@ -120,12 +128,9 @@ async def test_reply_is_the_engines_text_coloured_by_origin(chat_pair):
         assert "max tokens reached" in str(app.query_one("#status").content)
 
 
-OPTS40 = {"max_tokens": 40, "seed": 0}
-
-
 @aio
 async def test_rejected_drafts_toggle_and_fade(chat_pair):
-    app = create_app(chat_pair, max_tokens=40, seed=0, rejected_linger=None)
+    app = create_app(chat_pair, **OPTS40, rejected_linger=None)
     async with app.run_test(size=SIZE) as pilot:
         await send(app, pilot, "hello there")
         (view,) = reply_views(app)
@@ -138,7 +143,9 @@ async def test_rejected_drafts_toggle_and_fade(chat_pair):
     # with a linger time, rejected drafts are gone once it has passed
     reply = Reply(chat_pair.tokenizer, linger=0.5)
     stream = macspec.stream_generate(
-        chat_pair, chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}])
+        chat_pair,
+        chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}]),
+        **FIXED,
     )
     for event in stream:
         reply.add_round(event, now=0.0)
@@ -207,7 +214,7 @@ async def test_unexpected_engine_error_is_shown_not_raised(chat_pair, monkeypatc
 
 @aio
 async def test_keys_change_k_and_temperature_and_k0_is_plain(chat_pair):
-    app = create_app(chat_pair, max_tokens=12, seed=0, num_draft=2)
+    app = create_app(chat_pair, max_tokens=12, seed=0, num_draft=2, **FIXED)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("f3", "f3", "f5", "f5", "f4")
         assert app.options["num_draft"] == 4 and app.options["temperature"] == 0.1
@@ -239,9 +246,10 @@ def test_unknown_option_is_an_option_error(chat_pair):
         create_app(chat_pair, colour="blue")
 
 
-def test_snapshot(chat_pair, snap_compare):
+def test_snapshot(chat_dirs, snap_compare):
     """Two exchanges at temperature 0 with rejected drafts kept on screen; timings hidden."""
-    app = create_app(chat_pair, max_tokens=40, seed=0, timings=False, rejected_linger=None)
+    # a pair of its own: rounds must not depend on what earlier tests did with the shared pair
+    app = create_app(macspec.load(*chat_dirs), **OPTS40, timings=False, rejected_linger=None)
 
     async def run_before(pilot):
         await send(app, pilot, "hello there")

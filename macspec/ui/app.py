@@ -16,9 +16,11 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, Header, Input, Sparkline, Static
+from textual.message import Message
+from textual.widgets import Footer, Header, Input, Static
 
 from ..errors import MacspecError, OptionError, PromptError
+from .chart import AcceptChart
 from .prompt import GENERATION_OPTIONS, chat_prompt, engine_defaults
 from .transcript import DRAFT, REJECTED, TARGET, Reply, Stats, _num, _pct, finish_label
 
@@ -35,7 +37,7 @@ LEGEND = {
 }
 UI_OPTIONS = ("system", "show_rejected", "rejected_linger", "timings", "title")
 MAX_K = 16
-CHART_ROUNDS = 40
+CHART_ROUNDS = 200  # more than the panel is wide; the chart shows the latest
 
 
 def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
@@ -52,6 +54,22 @@ def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
     gen = {k: v for k, v in options.items() if k in GENERATION_OPTIONS and v is not None}
     ui = {k: v for k, v in options.items() if k in UI_OPTIONS}
     return ChatApp(engine_or_pair, gen, **ui)
+
+
+class RoundReady(Message):
+    """One verification round from the worker thread."""
+
+    def __init__(self, event: Any, conversation: int) -> None:
+        super().__init__()
+        self.event, self.conversation = event, conversation
+
+
+class GenerationDone(Message):
+    """The worker finished: normally, stopped by Esc, or with an error."""
+
+    def __init__(self, conversation: int, stopped: bool, error: BaseException | None) -> None:
+        super().__init__()
+        self.conversation, self.stopped, self.error = conversation, stopped, error
 
 
 def _short(path: Any) -> str:
@@ -110,6 +128,7 @@ class ChatApp(App):
         self._pair_lock = threading.Lock()  # one generation at a time on the pair
         self._fading: tuple[Reply, Static | None] | None = None  # a finished reply still fading
         self._replies: list[tuple[Reply, Static]] = []  # every reply shown, for redraws
+        self._redraw_pending = False
         self._reset_history()
 
     # layout ---------------------------------------------------------------------------------
@@ -121,7 +140,7 @@ class ChatApp(App):
                 yield Static(self._legend(), id="legend")
                 yield Static(id="stats")
                 yield Static("accepted drafts per round", id="chart-label")
-                yield Sparkline([], id="chart", summary_function=max)
+                yield AcceptChart(id="chart", ceiling=max(1, self.options["num_draft"]))
                 yield Static(id="settings")
         yield Static("", id="status")
         yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt")
@@ -148,7 +167,13 @@ class ChatApp(App):
 
     def _show_settings(self) -> None:
         k, t = self.options.get("num_draft"), self.options.get("temperature")
-        line = f"K {k}{' (plain)' if k == 0 else ''}   T {float(t or 0):.1f}"
+        if k == 0:
+            line = "K 0 (plain)"
+        elif self.options.get("adaptive"):
+            line = f"K ≤{k} adaptive"
+        else:
+            line = f"K {k}"
+        line += f"   T {float(t or 0):.1f}"
         seed = self.options.get("seed")
         if seed is not None:
             line += f"   seed {seed}"
@@ -173,7 +198,9 @@ class ChatApp(App):
             if i < len(rows) - 1:
                 text.append("\n")
         self.query_one("#stats", Static).update(text)
-        self.query_one("#chart", Sparkline).data = stats.accepted_per_round[-CHART_ROUNDS:] or [0]
+        chart = self.query_one("#chart", AcceptChart)
+        chart.ceiling = max(1, stats.max_num_draft or self.options["num_draft"])
+        chart.data = stats.accepted_per_round[-CHART_ROUNDS:]
 
     def _status(self, message: str) -> None:
         self.query_one("#status", Static).update(message)
@@ -265,9 +292,8 @@ class ChatApp(App):
                 for event in stream:
                     if stop.is_set():
                         break
-                    self._call(self._on_round, event, conversation)
-                    if stop.is_set():
-                        break
+                    # posting does not wait for the UI: drawing never slows generation down
+                    self.post_message(RoundReady(event, conversation))
             except Exception as e:  # shown in the conversation; the app keeps running
                 error = e
             finally:
@@ -277,26 +303,32 @@ class ChatApp(App):
                         close()
                     except Exception:
                         pass
-        self._call(self._on_done, conversation, stop.is_set(), error)
+        self.post_message(GenerationDone(conversation, stop.is_set(), error))
 
-    def _call(self, callback: Any, *args: Any) -> None:
-        try:
-            self.call_from_thread(callback, *args)
-        except RuntimeError:  # the app is shutting down
-            pass
-
-    def _on_round(self, event: Any, conversation: int) -> None:
-        if conversation != self.conversation_id or self.reply is None:
+    @on(RoundReady)
+    def _on_round(self, message: RoundReady) -> None:
+        if message.conversation != self.conversation_id or self.reply is None:
             return
-        self.reply.add_round(event)
+        self.reply.add_round(message.event)
+        if not self._redraw_pending:  # rounds that queued up while drawing share one redraw
+            self._redraw_pending = True
+            self.call_later(self._redraw)
+
+    def _redraw(self) -> None:
+        self._redraw_pending = False
+        if self.reply is None:
+            return
         self._render_reply()
         self._show_stats(self.reply.stats)
         self._scroll_end()
 
-    def _on_done(self, conversation: int, stopped: bool, error: BaseException | None) -> None:
+    @on(GenerationDone)
+    def _on_done(self, message: GenerationDone) -> None:
+        conversation, stopped, error = message.conversation, message.stopped, message.error
         self.busy = False
         if conversation != self.conversation_id:
             return
+        self._redraw()
         reply, self.reply = self.reply, None
         view, self.reply_view = self.reply_view, None
         if error is not None:

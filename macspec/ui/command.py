@@ -20,8 +20,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--target", help="target model directory or store name")
     p.add_argument("--draft", help="draft model directory or store name")
-    p.add_argument("--pair", metavar="NAME", help="a target/draft pair from the catalog")
-    p.add_argument("--drafter", help="how drafts are made (see `macspec generate --help`)")
+    p.add_argument(
+        "--pair",
+        metavar="NAME",
+        help="a catalog pair (`macspec models --pairs`), fetched if missing",
+    )
+    p.add_argument("--drafter", help="drafting method when not a draft model")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, help="tokens per answer (engine default 256)")
     p.add_argument("--temperature", type=float, help="0 = greedy (default)")
@@ -29,8 +33,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--min-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
-    p.add_argument("--num-draft", type=int, help="K, draft tokens per round (default 4)")
+    p.add_argument("--num-draft", type=int, help="K, the most draft tokens per round (default 4)")
     p.add_argument("--seed", type=int, help="random seed, for reproducible sampling")
+    p.add_argument(
+        "--no-adaptive",
+        dest="adaptive",
+        action="store_false",
+        default=None,
+        help="always draft K tokens (default: K adapts to acceptance and measured speed)",
+    )
     p.add_argument(
         "--plain",
         action="store_true",
@@ -54,14 +65,14 @@ def _load_pair(args: argparse.Namespace) -> Any:
     return macspec.load(target, draft, **kwargs)
 
 
-def _catalog_pair(name: str) -> tuple[str, str | None]:
+def _catalog_pair(name: str) -> tuple[Any, Any]:
     try:
-        from ..store import resolve_pair  # the pair catalog (issue 5), when present
+        from ..store import ensure_pair  # the pair catalog; fetches what is missing
     except ImportError:
         raise OptionError(
             f"--pair {name}: this build has no pair catalog; use --target and --draft"
         ) from None
-    return resolve_pair(name)
+    return ensure_pair(name)
 
 
 def options_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,7 @@ GENERATION_OPTIONS = (
     "repetition_penalty",
     "num_draft",
     "seed",
+    "adaptive",
 )
 
 

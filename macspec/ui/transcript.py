@@ -93,6 +93,7 @@ class Stats:
     plain_step_time: float = 0.0
     last_speedup: float | None = None
     last_emitted: int = 0
+    max_num_draft: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -102,6 +103,7 @@ class Stats:
             self.drafted += len(event.accepted) + len(event.rejected)
             self.accepted += len(event.accepted)
         self.accepted_per_round.append(len(event.accepted))
+        self.max_num_draft = max(self.max_num_draft, event.num_draft)
         self.emitted += len(event.emitted)
         self.last_emitted = len(event.emitted)
         self.round_time += event.round_time
