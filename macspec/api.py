@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +15,10 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .compat import check_tokenizers
-from .drafters import Drafter, ModelDrafter
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Round, Target, Timing, decode
 from .errors import MacspecError, ModelError, OptionError, PromptError
+from .policy import AdaptiveK, FixedK
 from .sampling import SamplingOptions
 
 
@@ -29,16 +31,31 @@ class Pair:
     target_path: Path
     draft: nn.Module | None = None
     draft_path: Path | None = None
-    drafter_kind: str | None = None  # "model", or None for plain decoding
+    drafter_kind: str | None = None  # "model+ngram", "model", "ngram", a feature draft, or None
     vocab_size: int = 0  # ids both models can produce and the tokenizer knows
     context_length: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     timing: Timing = field(default_factory=Timing)
+    group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
+    # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
+    drafter_factory: Callable[[bool], Drafter] | None = None
 
-    def make_drafter(self) -> Drafter | None:
-        if self.draft is not None:
-            return ModelDrafter(self.draft, self.vocab_size)
-        return None
+    def make_drafter(self, adaptive: bool = True) -> Drafter | None:
+        return self.drafter_factory(adaptive) if self.drafter_factory else None
+
+
+# A draft model stops drafting (adaptive K) when its own probability of a token is below this.
+DRAFT_CONFIDENCE = 0.3
+# Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
+FEATURE_DRAFTS = {"eagle": "macspec.eagle"}
+
+
+def _model_drafter_factory(pair: Pair, with_ngram: bool) -> Callable[[bool], Drafter]:
+    def make(adaptive: bool) -> Drafter:
+        model = ModelDrafter(pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0)
+        return HybridDrafter(model, NgramDrafter()) if with_ngram else model
+
+    return make
 
 
 @dataclass(frozen=True)
@@ -57,6 +74,7 @@ class RoundEvent:
     round_time: float
     plain_step_time: float
     finish_reason: str | None
+    comm_time: float = 0.0  # distributed target: seconds of this round spent communicating
 
 
 @dataclass(frozen=True)
@@ -155,13 +173,17 @@ def _resolve(name_or_path: str | os.PathLike) -> Path:
     return resolve_model(str(name_or_path))
 
 
-def _load_model(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
+def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, dict]:
     from mlx_lm.utils import load as mlx_load
 
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a model directory: config.json is missing")
     if not list(path.glob("model*.safetensors")):
         raise ModelError(f"{path} has no weights (model*.safetensors)")
+    if group is not None:  # only this rank's part of the weights (tensor or pipeline parallel)
+        from .distributed import load_sharded
+
+        return load_sharded(path, group)
     try:
         # Never trust_remote_code: a model directory must not run its own code.
         model, tokenizer, config = mlx_load(str(path), return_config=True)
@@ -190,12 +212,19 @@ def load(
     draft: str | os.PathLike | None = None,
     *,
     drafter: str | None = None,
+    group: mx.distributed.Group | None = None,
 ) -> Pair:
-    """Load a target and (optionally) a draft model: directories or store names.
+    """Load a target and (optionally) a draft: directories or store names.
 
-    With no target, the embedded default pair is used (fetched and converted on first use)."""
-    if drafter not in (None, "model"):
-        raise OptionError(f"unknown drafter {drafter!r}: choose 'model'")
+    With no target, the embedded default pair is used (fetched and converted on first use).
+    `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
+    (the draft model only), or "ngram" (no draft model: copy from the prompt and output)."""
+    if drafter not in (None, "model", "ngram"):
+        raise OptionError(f"unknown drafter={drafter!r}: choose 'model' or 'ngram'")
+    if drafter == "ngram" and draft is not None:
+        raise OptionError("drafter='ngram' uses no draft model: leave out draft")
+    if drafter == "model" and draft is None and target is not None:
+        raise OptionError("drafter='model' needs a draft model: give draft=")
     if target is None:
         from .default import default_draft, default_target
 
@@ -204,7 +233,11 @@ def load(
             draft = default_draft()
     else:
         target_path = _resolve(target)
-    model, tokenizer, config = _load_model(target_path)
+    if group is not None and group.size() == 1:
+        group = None
+    if group is not None and group.rank() > 0:
+        draft = None  # the draft runs on rank 0 only (macspec/distributed.py says why)
+    model, tokenizer, config = _load_model(target_path, group)
     rows = _embedding_rows(model)
     pair = Pair(
         target=model,
@@ -212,12 +245,24 @@ def load(
         target_path=target_path,
         context_length=_context_length(config),
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        group=group,
     )
     vocab = len(tokenizer._tokenizer)
-    if draft is not None:
+    pair.vocab_size = min(rows, vocab)
+    if drafter == "ngram":
+        pair.drafter_kind = "ngram"
+        pair.drafter_factory = lambda adaptive: NgramDrafter()
+    elif draft is not None and (kind := _feature_draft_kind(_resolve(draft))):
+        import importlib
+
+        pair.draft_path = _resolve(draft)
+        pair.drafter_kind = kind
+        module = importlib.import_module(FEATURE_DRAFTS[kind])
+        pair.drafter_factory = module.load_draft(pair.draft_path, pair)
+    elif draft is not None:
         pair.draft_path = _resolve(draft)
         pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
-        pair.drafter_kind = "model"
+        pair.drafter_kind = "model" if drafter == "model" else "model+ngram"
         draft_rows = _embedding_rows(pair.draft)
         # The draft must use the target's ids; refuse another tokenizer before generating anything.
         check_tokenizers(
@@ -237,9 +282,24 @@ def load(
                     " uses a cache that cannot be rewound, so rejected drafts cannot be undone;"
                     " run it without a draft"
                 )
-    # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
-    pair.vocab_size = min(rows, vocab)
+        # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
+        pair.vocab_size = min(rows, vocab)
+        pair.drafter_factory = _model_drafter_factory(pair, drafter != "model")
     return pair
+
+
+def _feature_draft_kind(path: Path) -> str | None:
+    """The kind a distilled draft declares in draft.json, or None for an ordinary model."""
+    meta = path / "draft.json"
+    if not meta.is_file():
+        return None
+    try:
+        kind = json.loads(meta.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"cannot read {meta}: {e}") from e
+    if kind not in FEATURE_DRAFTS:
+        raise ModelError(f"{meta} declares an unknown draft kind {kind!r}")
+    return kind
 
 
 # ---------------------------------------------------------------- generation
@@ -295,10 +355,12 @@ def stream_generate(
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
     speculative: bool = True,
+    adaptive: bool = True,
 ) -> GenerationStream:
     """Generate from `prompt`, yielding one RoundEvent per target forward pass.
 
-    A string prompt is encoded as-is (no chat template); a list of ids is used exactly."""
+    A string prompt is encoded as-is (no chat template); a list of ids is used exactly.
+    `num_draft` caps K; `adaptive=False` fixes it; `speculative=False` decodes plainly."""
     opts = SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty)
     _check_positive_int("max_tokens", max_tokens)
     _check_positive_int("num_draft", num_draft)
@@ -311,7 +373,7 @@ def stream_generate(
             f"the prompt has {len(ids)} tokens but the model's context holds "
             f"{pair.context_length}: shorten it"
         )
-    return _stream(pair, ids, opts, max_tokens, num_draft, seed, stops, speculative)
+    return _stream(pair, ids, opts, max_tokens, num_draft, seed, stops, speculative, adaptive)
 
 
 class GenerationStream:
@@ -358,6 +420,7 @@ class GenerationStream:
             round_time=r.round_time,
             plain_step_time=r.plain_step_time,
             finish_reason=finish,
+            comm_time=r.comm_time,
         )
 
     def _take_text(self, r: Round) -> tuple[list[int], str | None]:
@@ -410,12 +473,18 @@ def _stream(
     seed: int | None,
     stops: list[str],
     speculative: bool,
+    adaptive: bool,
 ) -> GenerationStream:
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
-    drafter = pair.make_drafter() if speculative else None
+    drafter = pair.make_drafter(adaptive) if speculative else None
+    target = Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False))
+    if pair.group is not None:  # a sharded target: rank 0 leads the other ranks
+        from .distributed import leader_target
+
+        target = leader_target(pair, target.keep_hidden)
     steps = decode(
-        Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False)),
+        target,
         drafter,
         ids,
         opts,
@@ -425,7 +494,12 @@ def _stream(
         eos_ids=set(pair.eos_token_ids),
         context_length=pair.context_length,
         timing=pair.timing,
+        policy=AdaptiveK(num_draft) if adaptive else FixedK(num_draft),
     )
+    if pair.group is not None:
+        from .distributed import guard
+
+        steps = guard(pair, steps)  # bounded waits, communication time per round
     return GenerationStream(pair, ids, steps, stops, seed)
 
 

@@ -66,9 +66,12 @@ class ModelDrafter:
     name = "model"
     needs_hidden = False
 
-    def __init__(self, model: nn.Module, vocab_size: int):
+    def __init__(self, model: nn.Module, vocab_size: int, stop_below: float = 0.0):
         self.model = model
         self.vocab_size = vocab_size
+        # Adaptive length: stop drafting once the draft's own probability of its token (at
+        # temperature 1, so greedy drafts are judged too) falls below this. 0 = never stop.
+        self.stop_below = stop_below
         self.cache: list = []
         self.pending: list[int] = []
         self._offset = 0  # cache length before the current proposal, for abort()
@@ -91,6 +94,11 @@ class ModelDrafter:
             tokens.append(token)
             probs.append(q)
             inputs = token
+            if self.stop_below > 0 and i + 1 < k:
+                # The one host sync per draft token that adaptive length needs.
+                confidence = mx.softmax(logits[0], axis=-1)[token[0]]
+                if confidence.item() < self.stop_below:
+                    break
         return Proposal(mx.concatenate(tokens), mx.concatenate(probs))
 
     def commit(
@@ -107,3 +115,98 @@ class ModelDrafter:
     def abort(self, k: int) -> None:
         # Back to the state before propose(); the pending ids stay pending.
         trim_prompt_cache(self.cache, self.cache[0].offset - self._offset)
+
+
+class NgramDrafter:
+    """Prompt lookup: find the most recent earlier occurrence of the last n ids (longest n
+    first) in the context and propose what followed it. Proposals are point masses (q = None).
+
+    An index maps each n-gram to the position after its latest occurrence; an n-gram is indexed
+    only once the id after it exists, so the current suffix never matches itself."""
+
+    name = "ngram"
+    needs_hidden = False
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self.history: list[int] = []
+        self.index: dict[tuple[int, ...], int] = {}
+        self.last_match = 0  # length of the n-gram behind the latest proposal
+
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        self.history, self.index = [], {}
+        self._extend(prompt)
+
+    def _extend(self, ids: list[int]) -> None:
+        h = self.history
+        for t in ids:
+            i = len(h)  # position of t: every n-gram ending just before it now has a successor
+            for n in range(self.min_n, self.max_n + 1):
+                if i >= n:
+                    self.index[tuple(h[i - n : i])] = i
+            h.append(t)
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        """(continuation of up to k ids, length of the matched n-gram); ([], 0) if none."""
+        h = self.history
+        for n in range(min(self.max_n, len(h)), self.min_n - 1, -1):
+            at = self.index.get(tuple(h[len(h) - n :]))
+            if at is not None:
+                # Copy with overlap (as LZ77): past the end of the history, keep copying the
+                # proposal itself, so a repeating cycle is proposed for the full k.
+                out: list[int] = []
+                for j in range(at, at + k):
+                    out.append(h[j] if j < len(h) else out[j - len(h)])
+                return out, n
+        return [], 0
+
+    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+        tokens, self.last_match = self.lookup(k)
+        return Proposal(mx.array(tokens, dtype=mx.int32), None)
+
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
+        self._extend(emitted)
+
+    def abort(self, k: int) -> None:
+        pass
+
+
+class HybridDrafter:
+    """The n-gram lookup first, the draft model otherwise: when the context repeats itself
+    (a long n-gram match), copying is free and usually right, so the draft model is skipped.
+
+    Which drafter runs depends only on the context, never on the target's answer: still exact."""
+
+    name = "model+ngram"
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_match: int = 3):
+        self.model, self.ngram, self.min_match = model, ngram, min_match
+        self.needs_hidden = model.needs_hidden
+        self.used: Drafter = model
+
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        self.model.start(prompt, hidden)
+        self.ngram.start(prompt)
+
+    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+        tokens, n = self.ngram.lookup(k)
+        if n >= self.min_match and len(tokens) >= min(k, 2):
+            self.used = self.ngram
+            self.ngram.last_match = n
+            return Proposal(mx.array(tokens, dtype=mx.int32), None)
+        self.used = self.model
+        return self.model.propose(k, dist, key)
+
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
+        self.ngram.commit(k, accepted, emitted)
+        # The model drafted nothing in an n-gram round: for it, this round was a plain step.
+        model_k = k if self.used is self.model else 0
+        self.model.commit(model_k, accepted, emitted, hidden)
+
+    def abort(self, k: int) -> None:
+        if self.used is self.model:
+            self.model.abort(k)

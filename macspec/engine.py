@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .drafters import DistFn, Drafter, prefill
+from .policy import FixedK, Policy
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 
 
@@ -35,6 +36,7 @@ class Round:
     plain_step_time: float  # current estimate of one plain target step on this machine
     finish_reason: str | None  # "stop", "length", "context" or None
     prefill_time: float = 0.0  # prompt processing, reported with the first round
+    comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
 
 
 class Timing:
@@ -186,11 +188,14 @@ def decode(
     eos_ids: set[int],
     context_length: int,
     timing: Timing,
+    policy: Policy | None = None,
 ) -> Iterator[Round]:
     """Yield one Round per target forward pass until a stop. No I/O, no text: ids and seconds.
 
     The first token always comes from a plain step, which also measures what a plain step costs
-    now; with no drafter every step is plain."""
+    now; with no drafter every step is plain. `policy` picks K per round (0 = a plain step);
+    without one, K = num_draft every round."""
+    policy = policy or FixedK(num_draft)
     history = list(prompt)
     t0 = perf_counter()
     target.start(prompt)
@@ -201,7 +206,9 @@ def decode(
     while True:
         room = min(max_tokens - generated, context_length - len(history))
         # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
-        k = 0 if drafter is None or generated == 0 else min(num_draft, room - 1)
+        k = 0
+        if drafter is not None and generated > 0:
+            k = min(policy.next_k(timing.plain_step), num_draft, room - 1)
         key, subkey = mx.random.split(key)
         dist = make_dist(opts, history)
         t0 = perf_counter()
@@ -209,6 +216,7 @@ def decode(
             drafts, n, token, draft_time, verify_time = speculative_round(
                 target, drafter, history[-1], k, dist, subkey
             )
+            policy.observe(len(drafts), n, draft_time, verify_time)
         else:
             drafts, n, token, draft_time = [], 0, plain_step(target, history[-1], dist, subkey), 0.0
             verify_time = perf_counter() - t0

@@ -17,7 +17,7 @@ def test_greedy_speculative_equals_greedy_target_only(pair, prompt):
     assert plain.stats.drafted == 0
     rejected = 0
     for k in (1, 2, 3, 5, 8):
-        spec = macspec.generate(pair, prompt, max_tokens=48, num_draft=k)
+        spec = macspec.generate(pair, prompt, max_tokens=48, num_draft=k, adaptive=False)
         assert spec.tokens == plain.tokens, f"K={k}"
         assert spec.text == plain.text
         rejected += spec.stats.drafted - spec.stats.accepted
@@ -72,7 +72,7 @@ def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
 def test_max_tokens_smaller_than_k(pair):
     plain = macspec.generate(pair, "Short", max_tokens=3, speculative=False)
     for max_tokens in (1, 2, 3):
-        r = macspec.generate(pair, "Short", max_tokens=max_tokens, num_draft=6)
+        r = macspec.generate(pair, "Short", max_tokens=max_tokens, num_draft=6, adaptive=False)
         assert r.tokens == plain.tokens[:max_tokens]
         assert r.finish_reason == "length"
         assert r.stats.generated_tokens == max_tokens
@@ -81,7 +81,7 @@ def test_max_tokens_smaller_than_k(pair):
 def test_never_overshoots_max_tokens_when_all_drafts_accepted(tiny_dirs):
     same = macspec.load(tiny_dirs[0], tiny_dirs[0])
     for max_tokens in range(1, 12):
-        r = macspec.generate(same, "Go", max_tokens=max_tokens, num_draft=4)
+        r = macspec.generate(same, "Go", max_tokens=max_tokens, num_draft=4, adaptive=False)
         assert len(r.tokens) == max_tokens
 
 
@@ -91,7 +91,7 @@ def test_eos_inside_an_accepted_run(tiny_dirs):
     eos = plain.tokens[9]
     first = plain.tokens.index(eos)
     same.eos_token_ids = frozenset({eos})
-    r = macspec.generate(same, "The end", max_tokens=40, num_draft=5)
+    r = macspec.generate(same, "The end", max_tokens=40, num_draft=5, adaptive=False)
     assert r.tokens == plain.tokens[:first]
     assert r.finish_reason == "stop"
     assert r.stats.accepted == r.stats.drafted  # the EOS came from an accepted draft run
@@ -102,7 +102,9 @@ def test_stop_string_cuts_text_and_tokens(pair):
     text = plain.text
     stop = text[12:15]
     cut = text.index(stop)
-    r = macspec.generate(pair, "Stop here", max_tokens=40, num_draft=4, stop=[stop, "never"])
+    r = macspec.generate(
+        pair, "Stop here", max_tokens=40, num_draft=4, stop=[stop, "never"], adaptive=False
+    )
     assert r.finish_reason == "stop_string"
     assert r.text == text[:cut]
     # Tokens run up to and including the one that completed the stop string.
@@ -113,10 +115,12 @@ def test_stop_string_cuts_text_and_tokens(pair):
 
 def test_stream_events_add_up(pair):
     stream = macspec.stream_generate(
-        pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2
+        pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2, adaptive=False
     )
     events = list(stream)
-    result = macspec.generate(pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2)
+    result = macspec.generate(
+        pair, "Count", max_tokens=25, num_draft=3, temperature=0.8, seed=2, adaptive=False
+    )
     assert [t for e in events for t in e.emitted] == result.tokens
     assert "".join(e.text for e in events) == result.text
     assert not events[0].speculative and events[0].num_draft == 0  # first token: a timed plain step
@@ -159,6 +163,6 @@ def test_generation_stops_at_the_context_length(tmp_path):
     d = make_tiny_model(tmp_path / "m", context=16)
     pair = macspec.load(d, d)
     pair.eos_token_ids = frozenset()
-    r = macspec.generate(pair, [5, 6, 7, 8, 9], max_tokens=100, num_draft=4)
+    r = macspec.generate(pair, [5, 6, 7, 8, 9], max_tokens=100, num_draft=4, adaptive=False)
     assert r.finish_reason == "context"
     assert len(r.tokens) == 16 - 5

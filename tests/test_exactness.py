@@ -25,7 +25,7 @@ OPTION_SETS = [
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(map(str, o.values())))
 def test_speculative_distribution_matches_target(small_pair, options):
     expected = exact_joint(small_pair, PROMPT, DEPTH, **options)
-    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=2, **options)
+    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=2, adaptive=False, **options)
     assert chi_square(expected, counts) > 1e-3
 
 
@@ -61,7 +61,7 @@ def test_the_test_detects_a_broken_acceptance_rule(small_pair, monkeypatch, brok
     monkeypatch.setattr(engine, "accept", broken)
     options = {"temperature": 1.0}
     expected = exact_joint(small_pair, PROMPT, DEPTH, **options)
-    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=2, **options)
+    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=2, adaptive=False, **options)
     assert chi_square(expected, counts) < 1e-5
 
 
@@ -69,7 +69,13 @@ def test_draft_equal_to_target_accepts_every_draft(tiny_dirs):
     same = macspec.load(tiny_dirs[0], tiny_dirs[0])
     for temperature in (0.0, 0.9):
         r = macspec.generate(
-            same, "Once", max_tokens=30, num_draft=4, temperature=temperature, seed=5
+            same,
+            "Once",
+            max_tokens=30,
+            num_draft=4,
+            temperature=temperature,
+            seed=5,
+            adaptive=False,
         )
         assert r.stats.drafted > 0
         assert r.stats.accepted == r.stats.drafted

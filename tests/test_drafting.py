@@ -1,0 +1,159 @@
+"""Draft-free (n-gram) drafting, adaptive K and the fallback to plain decoding stay exact."""
+
+import itertools
+
+import pytest
+from exactness import chi_square, exact_joint, sample_prefixes
+from test_exactness import DEPTH, PROMPT, N, resample_from_p
+from tinymodels import make_tiny_model
+
+import macspec
+import macspec.engine as engine
+from macspec.drafters import NgramDrafter
+from macspec.policy import AdaptiveK, expected_tokens
+
+
+@pytest.fixture(scope="module")
+def small_ngram(small_pair):
+    p = macspec.load(small_pair.target_path, drafter="ngram")
+    p.eos_token_ids = frozenset()
+    return p
+
+
+@pytest.fixture()
+def fake_clock(monkeypatch):
+    """Timings that advance 1 ms per reading: the adaptive policy becomes reproducible."""
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "perf_counter", lambda: next(ticks) * 1e-3)
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+def test_ngram_finds_the_most_recent_longest_match():
+    d = NgramDrafter(max_n=3)
+    d.start([1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3])
+    assert d.lookup(4) == ([8, 5, 2, 3], 2)  # "2 3" last seen before 8; "5 2 3" never
+    d.commit(0, 0, [7])
+    assert d.lookup(2) == ([], 0)  # 7 never occurred before
+    d.commit(0, 0, [1, 2, 3])
+    assert d.lookup(3) == ([8, 5, 2], 3)  # "1 2 3" most recently followed by 8
+
+
+def test_ngram_never_matches_the_suffix_with_itself():
+    d = NgramDrafter()
+    d.start([4, 5, 6])
+    assert d.lookup(3) == ([], 0)
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("prompt", ["abab abab ab", "The cat. The cat. The", [5, 6, 7, 5, 6, 7, 5]])
+def test_ngram_greedy_equals_target_only(tiny_dirs, prompt):
+    ngram = macspec.load(tiny_dirs[0], drafter="ngram")
+    plain = macspec.generate(ngram, prompt, max_tokens=60, speculative=False)
+    for adaptive in (False, True):
+        r = macspec.generate(ngram, prompt, max_tokens=60, num_draft=5, adaptive=adaptive)
+        assert r.tokens == plain.tokens
+    fixed = macspec.generate(ngram, prompt, max_tokens=60, num_draft=5, adaptive=False)
+    assert fixed.stats.drafted > fixed.stats.accepted  # rejections were exercised
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_adaptive_and_hybrid_greedy_equal_target_only(pair, fake_clock, k):
+    for prompt in ("Adapt", "xyzxyzxyz"):
+        plain = macspec.generate(pair, prompt, max_tokens=50, speculative=False)
+        r = macspec.generate(pair, prompt, max_tokens=50, num_draft=k)
+        assert r.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("options", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 3}])
+def test_ngram_distribution_matches_target(small_ngram, options):
+    expected = exact_joint(small_ngram, PROMPT, DEPTH, **options)
+    counts = sample_prefixes(small_ngram, PROMPT, DEPTH, N, num_draft=2, adaptive=False, **options)
+    assert chi_square(expected, counts) > 1e-3
+
+
+def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch):
+    monkeypatch.setattr(engine, "accept", resample_from_p)
+    expected = exact_joint(small_ngram, PROMPT, DEPTH, temperature=1.0)
+    counts = sample_prefixes(small_ngram, PROMPT, DEPTH, N, num_draft=2, temperature=1.0)
+    assert chi_square(expected, counts) < 1e-5
+
+
+def test_adaptive_distribution_matches_target(small_pair, fake_clock):
+    """Adaptive K with the draft's confidence stop and the plain fallback, at temperature 1."""
+    options = {"temperature": 1.0, "top_p": 0.9}
+    expected = exact_joint(small_pair, PROMPT, DEPTH, **options)
+    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=3, **options)
+    assert chi_square(expected, counts) > 1e-3
+
+
+# ---------------------------------------------------------------- behaviour
+
+
+def test_ngram_accepts_long_copied_spans_when_text_repeats(tmp_path):
+    # This random model's greedy output falls into cycles ("?W?W?W", "LLLL"): text that repeats.
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, scale=2.0, tie=False)
+    ngram = macspec.load(target, drafter="ngram")
+    ngram.eos_token_ids = frozenset()
+    options = {"max_tokens": 150, "num_draft": 8, "adaptive": False}
+    r = macspec.generate(ngram, "Once upon", **options)
+    assert (
+        r.tokens == macspec.generate(ngram, "Once upon", max_tokens=150, speculative=False).tokens
+    )
+    spans = [len(e.accepted) for e in macspec.stream_generate(ngram, "Once upon", **options)]
+    assert spans.count(8) >= 5  # whole K=8 copies accepted
+    assert r.stats.mean_accepted_length > 3.0
+    assert r.stats.rounds < 150 / 2
+
+
+def test_useless_draft_falls_back_to_plain_decoding(tmp_path, fake_clock):
+    # A random draft for a different random target: almost nothing is accepted.
+    target = make_tiny_model(tmp_path / "t", seed=0, tie=False)
+    draft = make_tiny_model(tmp_path / "d", seed=9, tie=False)
+    pair = macspec.load(target, draft, drafter="model")
+    pair.eos_token_ids = frozenset()
+    plain = macspec.generate(pair, "Hello", max_tokens=120, speculative=False)
+    r = macspec.generate(pair, "Hello", max_tokens=120, num_draft=4)
+    assert r.tokens == plain.tokens
+    assert r.stats.speculative_rounds <= 0.25 * r.stats.rounds
+
+
+def test_policy_switches_to_plain_when_losing_and_back_when_helping():
+    policy = AdaptiveK(k_max=4, probe_after=4)
+    plain = 0.010
+    assert policy.next_k(plain) >= 1  # optimistic prior: try speculation
+    for _ in range(6):  # nothing accepted, drafting costs half a step per token
+        policy.observe(4, 0, draft_time=4 * 0.005, verify_time=0.014)
+    ks = [policy.next_k(plain) for _ in range(4)]
+    assert ks == [0, 0, 0, 0]  # plain decoding, then a probe round
+    assert policy.next_k(plain) >= 1
+    for _ in range(6):  # the draft now helps: everything accepted, drafting cheap
+        policy.observe(4, 4, draft_time=4 * 0.001, verify_time=0.012)
+    assert [policy.next_k(plain) for _ in range(5)] == [4] * 5
+
+
+def test_policy_picks_longer_drafts_for_higher_acceptance():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    low, high = AdaptiveK(k_max=8), AdaptiveK(k_max=8)
+    for _ in range(10):
+        low.observe(4, 1, 0.004, 0.012)
+        high.observe(4, 4, 0.004, 0.012)
+    assert low.best_k(0.010) < high.best_k(0.010) == 8
+
+
+def test_k_used_per_round_is_reported(pair, fake_clock):
+    events = list(macspec.stream_generate(pair, "Report", max_tokens=40, num_draft=5))
+    assert all(0 <= e.num_draft <= 5 for e in events)
+    assert all(e.num_draft == len(e.accepted) + len(e.rejected) for e in events)
+
+
+def test_invalid_drafter_options(tiny_dirs):
+    with pytest.raises(macspec.OptionError, match="drafter"):
+        macspec.load(tiny_dirs[0], drafter="magic")
+    with pytest.raises(macspec.OptionError, match="ngram"):
+        macspec.load(tiny_dirs[0], tiny_dirs[1], drafter="ngram")
