@@ -48,8 +48,8 @@ class Method:
             "macspec_plain": "macspec plain",
         }
         name = names[self.method]
-        if self.method == "macspec_adaptive":
-            return f"{name} (K<={self.num_draft})"
+        if self.method in ("macspec_adaptive", "macspec_ngram"):  # the engine's adaptive K
+            return f"{name} K<={self.num_draft}"
         return f"{name} K={self.num_draft}" if self.method in _PER_K else name
 
 
@@ -117,20 +117,30 @@ class _Counter:
 
 
 class Runner:
-    """Holds the loaded models and runs one method on one prompt."""
+    """Holds the loaded pairs and runs one method on one prompt.
 
-    def __init__(self, pair: Any, ngram_pair: Any | None, max_tokens: int):
-        self.pair = pair
-        self.ngram_pair = ngram_pair
+    `pairs`: "model" (the draft model alone: mlx-lm's methods, macspec fixed K and plain),
+    "default" (macspec's own default drafting: adaptive K), "ngram" (no draft model)."""
+
+    def __init__(self, pairs: dict[str, Any], max_tokens: int):
+        self.pairs = pairs
+        self.pair = pairs["model"]
         self.max_tokens = max_tokens
         import macspec
 
         params = inspect.signature(macspec.stream_generate).parameters
         self.has_adaptive = "adaptive" in params
 
+    def pair_for(self, method: str) -> Any:
+        return self.pairs[
+            {"macspec_adaptive": "default", "macspec_ngram": "ngram"}.get(method, "model")
+        ]
+
     def run(self, m: Method, prompt_ids: list[int], temperature: float, seed: int, rec: RunRecord):
         import mlx.core as mx
 
+        # Other methods' pairs stay loaded: count this method's weights plus what the run added.
+        resident = mx.get_active_memory()
         mx.reset_peak_memory()
         counter = _Counter(rec)
         if m.method in ("mlx_lm", "mlx_lm_spec"):
@@ -138,12 +148,16 @@ class Runner:
         else:
             self._macspec(m, prompt_ids, temperature, seed, counter)
         counter.finish()
-        rec.peak_memory = int(mx.get_peak_memory())
+        pair = self.pair_for(m.method)
+        weights = _nbytes(pair.target)
+        if m.method in (*_NEEDS_DRAFT,) and pair.draft is not None:
+            weights += _nbytes(pair.draft)
+        rec.peak_memory = int(mx.get_peak_memory() - resident + weights)
 
     def _macspec(self, m: Method, ids: list[int], temperature: float, seed: int, c: _Counter):
         import macspec
 
-        pair = self.ngram_pair if m.method == "macspec_ngram" else self.pair
+        pair = self.pair_for(m.method)
         opts: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": temperature,
@@ -151,7 +165,7 @@ class Runner:
             "num_draft": max(m.num_draft, 1),
             "speculative": m.method != "macspec_plain",
         }
-        if self.has_adaptive and m.method != "macspec_plain":
+        if self.has_adaptive and m.method in ("macspec", "macspec_adaptive"):
             opts["adaptive"] = m.method == "macspec_adaptive"
         draft = verify = 0.0
         first = True
@@ -462,41 +476,68 @@ def _names(value: str | Sequence[str] | None, allowed: Sequence[str], name: str)
     return items
 
 
-def _load(target: str | None, draft: str | None) -> Any:
+def _nbytes(module: Any) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def _has_drafter(pair: Any) -> bool:
+    return pair.draft is not None or getattr(pair, "drafter_factory", None) is not None
+
+
+def load_pairs(
+    target: str | None, draft: str | None, methods: list[str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The pairs the methods need, and why a pair could not be had (method -> reason)."""
     import macspec
 
+    kw_ok = "drafter" in inspect.signature(macspec.load).parameters
+    reasons: dict[str, str] = {}
     try:
-        return macspec.load(target, draft)
+        base = (
+            macspec.load(target, draft, drafter="model") if kw_ok else macspec.load(target, draft)
+        )
     except ModuleNotFoundError as e:  # no embedded default pair in this build yet
         raise ModelError(f"no default pair available ({e}): name one with --target") from None
-
-
-def _load_ngram(pair: Any) -> tuple[Any | None, str | None]:
-    import macspec
-
-    try:
-        return macspec.load(str(pair.target_path), drafter="ngram"), None
-    except (OptionError, TypeError) as e:
-        return None, f"this engine has no n-gram drafter yet ({e})"
+    pairs = {"model": base}
+    if "macspec_adaptive" in methods:
+        try:
+            pairs["default"] = macspec.load(target, draft)
+        except OptionError as e:
+            reasons["macspec_adaptive"] = str(e)
+    if "macspec_ngram" in methods:
+        try:
+            pairs["ngram"] = macspec.load(str(base.target_path), drafter="ngram")
+        except (OptionError, TypeError) as e:
+            reasons["macspec_ngram"] = f"this engine has no n-gram drafter yet ({e})"
+    return pairs, reasons
 
 
 def plan_methods(
     methods: list[str],
     ks: list[int],
-    has_draft: bool,
-    has_ngram: bool,
+    pairs: dict[str, Any],
+    reasons: dict[str, str],
     has_adaptive: bool,
-    ngram_reason: str | None = None,
 ) -> tuple[list[Method], list[dict[str, str]]]:
+    """The runs to make, and the methods that cannot run here with the reason."""
+    base = pairs["model"]
+    why: dict[str, str] = dict(reasons)
+    if not _has_drafter(base):
+        for name in ("mlx_lm_spec", "macspec"):
+            why.setdefault(name, "no draft model loaded (use --draft)")
+    elif base.draft is None:
+        why.setdefault("mlx_lm_spec", f"the draft ({base.drafter_kind}) is not a model mlx-lm runs")
+    if "default" in pairs and not _has_drafter(pairs["default"]):
+        why.setdefault("macspec_adaptive", "no draft model loaded (use --draft)")
+    if not has_adaptive:
+        why.setdefault("macspec_adaptive", "this engine has no adaptive=... option yet")
     plan: list[Method] = []
     skipped: list[dict[str, str]] = []
     for name in methods:
-        if name in _NEEDS_DRAFT and not has_draft:
-            skipped.append({"method": name, "reason": "no draft model loaded (use --draft)"})
-        elif name == "macspec_ngram" and not has_ngram:
-            skipped.append({"method": name, "reason": ngram_reason or "no n-gram drafter"})
-        elif name == "macspec_adaptive" and not has_adaptive:
-            skipped.append({"method": name, "reason": "this engine has no adaptive=... option yet"})
+        if name in why:
+            skipped.append({"method": name, "reason": why[name]})
         elif name in _PER_K:
             plan += [Method(name, k) for k in ks]
         elif name == "macspec_adaptive":
@@ -538,7 +579,6 @@ def bench(
 ) -> dict[str, Any]:
     """Run the benchmark; returns the result dict that is also written to OUTPUT/bench.json."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     import macspec
 
@@ -565,23 +605,14 @@ def bench(
     say = (lambda msg: None) if quiet else _progress
 
     say("loading models ...")
-    pair = _load(target, draft)
-    ngram_pair, ngram_reason = (None, None)
-    if "macspec_ngram" in method_names:
-        ngram_pair, ngram_reason = _load_ngram(pair)
-    runner = Runner(pair, ngram_pair, max_tokens)
-    plan, skipped = plan_methods(
-        method_names,
-        ks,
-        pair.draft is not None,
-        ngram_pair is not None,
-        runner.has_adaptive,
-        ngram_reason,
-    )
+    pairs, reasons = load_pairs(target, draft, method_names)
+    pair = pairs["model"]
+    runner = Runner(pairs, max_tokens)
+    plan, skipped = plan_methods(method_names, ks, pairs, reasons, runner.has_adaptive)
     for s in skipped:
         say(f"skipping {s['method']}: {s['reason']}")
 
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(pair.target.parameters()))
+    weight_bytes = _nbytes(pair.target)
     say("measuring memory bandwidth ...")
     bandwidth = be.measure_bandwidth()
     blas = be.blas_in_use()
@@ -630,6 +661,7 @@ def bench(
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "target": str(pair.target_path),
             "draft": str(pair.draft_path) if pair.draft_path else None,
+            "default_drafter": getattr(pairs.get("default"), "drafter_kind", None),
             "backend": be.detect_backend(),
             "device": be.device_name(),
             "blas": blas.describe(),
