@@ -124,6 +124,8 @@ async def test_reply_is_the_engines_text_coloured_by_origin(chat_pair):
         )
         assert f"rounds        {result.stats.rounds}" in stats
         assert f"acceptance    {100 * result.stats.acceptance_rate:.0f}%" in stats
+        assert f"accept length {result.stats.mean_accepted_length:.2f}" in stats
+        assert app.sub_title.startswith("target ← draft")
         assert len(app.query_one("#chart").data) == result.stats.rounds
         assert "max tokens reached" in str(app.query_one("#status").content)
 

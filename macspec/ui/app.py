@@ -72,8 +72,14 @@ class GenerationDone(Message):
         self.conversation, self.stopped, self.error = conversation, stopped, error
 
 
-def _short(path: Any) -> str:
-    return Path(path).name if path else "?"
+def _pair_title(pair: Any) -> str:
+    """The header line: target ← draft by directory name, or the drafting method if no draft."""
+    target, draft = getattr(pair, "target_path", None), getattr(pair, "draft_path", None)
+    kind = getattr(pair, "drafter_kind", None)
+    source = Path(draft).name if draft else kind or "no draft: plain decoding"
+    if draft and kind and kind != "model":
+        source += f" ({kind})"
+    return f"{Path(target).name if target else '?'} ← {source}"
 
 
 class ChatApp(App):
@@ -81,7 +87,8 @@ class ChatApp(App):
     TITLE = "macspec chat"
 
     BINDINGS = [
-        Binding("escape", "stop", "Stop", priority=True),
+        # not a priority binding: dialogs such as the command palette still get their Esc
+        Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "new_chat", "New chat", priority=True),
         Binding("ctrl+r", "toggle_rejected", "Rejected", priority=True),
         Binding("f2", "num_draft(-1)", "K−"),
@@ -117,8 +124,7 @@ class ChatApp(App):
         self.rejected_linger = rejected_linger
         self.timings = timings
         self.title = title or "macspec chat"
-        target, draft = getattr(pair, "target_path", None), getattr(pair, "draft_path", None)
-        self.sub_title = f"{_short(target)} ← {_short(draft) if draft else 'no draft'}"
+        self.sub_title = _pair_title(pair)
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
         self.reply_view: Static | None = None
@@ -186,7 +192,7 @@ class ChatApp(App):
             ("tokens", str(stats.emitted)),
             ("round speedup", f"{_num(stats.last_speedup)}x" if self.timings else hidden),
             ("acceptance", _pct(stats.acceptance_rate)),
-            ("tokens/round", _num(stats.mean_accepted_length)),
+            ("accept length", _num(stats.mean_accepted_length)),
             ("tok/s", _num(stats.tokens_per_second, 1) if self.timings else hidden),
             ("plain tok/s", _num(stats.plain_tokens_per_second, 1) if self.timings else hidden),
             ("overall", f"{_num(stats.speedup)}x" if self.timings else hidden),

@@ -94,6 +94,8 @@ class Stats:
     last_speedup: float | None = None
     last_emitted: int = 0
     max_num_draft: int = 0
+    speculative_rounds: int = 0
+    speculative_emitted: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -102,6 +104,8 @@ class Stats:
         if event.speculative:
             self.drafted += len(event.accepted) + len(event.rejected)
             self.accepted += len(event.accepted)
+            self.speculative_rounds += 1
+            self.speculative_emitted += len(event.emitted)
         self.accepted_per_round.append(len(event.accepted))
         self.max_num_draft = max(self.max_num_draft, event.num_draft)
         self.emitted += len(event.emitted)
@@ -121,8 +125,11 @@ class Stats:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per round: accepted drafts + the target's own token."""
-        return self.emitted / self.rounds if self.rounds else None
+        """Tokens emitted per speculative round (accepted drafts + the target's own), as the
+        engine's GenerationStats counts it; plain steps are left out."""
+        if not self.speculative_rounds:
+            return None
+        return self.speculative_emitted / self.speculative_rounds
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -141,7 +148,7 @@ class Stats:
         """One line for logs and the plain mode."""
         parts = [f"{self.rounds} rounds", f"{self.emitted} tokens"]
         parts.append(f"acceptance {_pct(self.acceptance_rate)}")
-        parts.append(f"{_num(self.mean_accepted_length)} tokens/round")
+        parts.append(f"accept length {_num(self.mean_accepted_length)}")
         if timings:
             parts.append(
                 f"{_num(self.tokens_per_second, 1)} tok/s vs plain "
