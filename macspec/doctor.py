@@ -87,12 +87,54 @@ def format_report(report: dict[str, Any]) -> str:
         f"8 rows/1 row   {report['rows8_over_rows1']:.2f}x the time (near 1 = cheap verification)",
         f"weights        {report['weight_format']['dtype']}: {report['weight_format']['reason']}",
     ]
+    if "verify_cost" in report:
+        v = report["verify_cost"]
+        costs = ", ".join(f"{n}: {ms} ms ({v['ratio'][n]}x)" for n, ms in v["ms"].items())
+        lines.append(f"tokens/pass    {costs}  [{v['model']}]")
     lines += [f"advice         {note}" for note in report["advice"]]
     return "\n".join(lines)
 
 
-def doctor(json: bool = False) -> int:
+def verify_costs(
+    model: str, rows: tuple[int, ...] = (1, 2, 3, 5, 8), context: int = 128, repeats: int = 8
+) -> dict[str, Any]:
+    """Time of one target forward pass over n new tokens, after a `context`-token prompt.
+
+    A pass over K+1 tokens verifies K drafts: the closer its cost is to one token's, the more
+    speculation pays. Variants interleave and the minimum is kept, so other load disturbs less."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import macspec
+
+    pair = macspec.load(model)
+    cache = make_prompt_cache(pair.target)
+    prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
+    mx.eval(pair.target(prompt, cache=cache))
+    best = {n: float("inf") for n in rows}
+    for rep in range(repeats + 1):
+        for n in rows:
+            x = mx.array([[1] * n])
+            start = time.perf_counter()
+            mx.eval(pair.target(x, cache=cache))
+            if rep:  # the first round warms up
+                best[n] = min(best[n], time.perf_counter() - start)
+            for c in cache:
+                c.trim(n)
+    one = best[rows[0]]
+    return {
+        "model": str(pair.target_path),
+        "ms": {str(n): round(t * 1000, 2) for n, t in best.items()},
+        "ratio": {str(n): round(t / one, 2) for n, t in best.items()},
+    }
+
+
+def doctor(json: bool = False, model: str | None = None) -> int:
     report = diagnose()
+    if model:
+        report["verify_cost"] = verify_costs(model)
     print(jsonlib.dumps(report, indent=2) if json else format_report(report))
     sys.stdout.flush()
     return 0
@@ -101,4 +143,7 @@ def doctor(json: bool = False) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("doctor", help="show backend, BLAS, memory bandwidth and advice")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=lambda args: doctor(json=args.json))
+    p.add_argument(
+        "--model", help="also time one forward pass of this target over 1, 2, 3, 5 and 8 tokens"
+    )
+    p.set_defaults(func=lambda args: doctor(json=args.json, model=args.model))

@@ -87,3 +87,13 @@ def test_command_reexecs_with_openblas_and_opt_out_works():
     assert fast["blas"] == "openblas" and fast["blas_preloaded_by_macspec"]
     slow = _doctor_subprocess(**{be.OPT_OUT_ENV: "1"})
     assert slow["blas"] != "openblas" and not slow["blas_preloaded_by_macspec"]
+
+
+def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
+    from tinymodels import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", seed=1)
+    assert main(["doctor", "--json", "--model", str(model)]) == 0
+    costs = json.loads(capsys.readouterr().out)["verify_cost"]
+    assert list(costs["ms"]) == ["1", "2", "3", "5", "8"] and costs["ratio"]["1"] == 1.0
+    assert all(ms > 0 for ms in costs["ms"].values())
