@@ -161,7 +161,9 @@ async def test_escape_stops_at_once_and_the_next_message_works(chat_pair):
     app = create_app(chat_pair, max_tokens=1500, seed=0)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*"hi", "enter")
-        while app.reply is None or app.reply.stats.rounds < 3:
+        for _ in range(3000):  # until a few rounds are on screen (bounded, never a hang)
+            if app.reply is not None and app.reply.stats.rounds >= 3:
+                break
             await pilot.pause(0.01)
         await pilot.press("escape")
         await app.workers.wait_for_complete()
@@ -316,3 +318,23 @@ def test_token_texts_join_to_the_tokenizers_decode(chat_pair):
     ids = tok.encode("Once upon a time, 42 cats!", add_special_tokens=False)
     texts = TokenTexts(tok)
     assert "".join(texts.add(i) for i in ids) == tok.decode(ids)
+
+
+def test_plain_mode_reports_a_bad_message_and_goes_on(short_pair):
+    out = io.StringIO()
+    lines = ["this message is much longer than the context\n", "hi\n"]
+    assert run_plain(short_pair, {"seed": 0, **FIXED}, lines=lines, out=out, color=False) == 0
+    text = out.getvalue()
+    assert "macspec: error: the prompt has" in text
+    assert re.search(r"^\[\d+ rounds · .* · finish: context\]$", text, flags=re.M)
+
+
+def test_reply_cuts_a_stop_string_like_the_engine(chat_pair):
+    prompt = chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}])
+    full = macspec.generate(chat_pair, prompt, **OPTS40).text
+    stop = full[12:15]
+    reply = Reply(chat_pair.tokenizer)
+    for event in macspec.stream_generate(chat_pair, prompt, stop=stop, **OPTS40):
+        reply.add_round(event)
+    assert reply.stats.finish_reason == "stop_string"
+    assert reply.text == full[: full.index(stop)]
