@@ -56,6 +56,26 @@ def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
     return ChatApp(engine_or_pair, gen, **ui)
 
 
+def _worker_stream() -> Any:
+    """An MLX stream valid in this worker thread, as mlx-lm uses for its own generation thread.
+
+    Since MLX 0.31.2 streams are thread-local on Metal; computing in a thread other than the one
+    that made a stream fails, so generation off the UI thread runs on a thread-local stream."""
+    import contextlib
+
+    import mlx.core as mx
+
+    global _THREAD_STREAM
+    if not hasattr(mx, "new_thread_local_stream"):
+        return contextlib.nullcontext()
+    if _THREAD_STREAM is None:
+        _THREAD_STREAM = mx.new_thread_local_stream(mx.default_device())
+    return mx.stream(_THREAD_STREAM)
+
+
+_THREAD_STREAM: Any = None
+
+
 class RoundReady(Message):
     """One verification round from the worker thread."""
 
@@ -292,7 +312,7 @@ class ChatApp(App):
 
         error: BaseException | None = None
         stream = None
-        with self._pair_lock:
+        with self._pair_lock, _worker_stream():
             try:
                 stream = macspec.stream_generate(self.pair, prompt, **options)
                 for event in stream:
