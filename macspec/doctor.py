@@ -14,8 +14,9 @@ from . import backend as be
 
 def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
     """Time of a ``rows``-row float32 product over a 1-row one: ~1 means verification is cheap."""
-    one = be.measure_matmul_gflops(size, rows=1)
-    many = be.measure_matmul_gflops(size, rows=rows)
+    # Small products: many repeats, keep the best, so a busy machine disturbs the ratio less.
+    one = be.measure_matmul_gflops(size, rows=1, repeats=12)
+    many = be.measure_matmul_gflops(size, rows=rows, repeats=12)
     return rows * one / many
 
 
