@@ -8,6 +8,7 @@ generator.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ LEGEND = {
 }
 UI_OPTIONS = ("system", "show_rejected", "rejected_linger", "timings", "title")
 MAX_K = 16
+REDRAW_INTERVAL = 1 / 30  # seconds; more redraws only take CPU from generation
 CHART_ROUNDS = 200  # more than the panel is wide; the chart shows the latest
 
 
@@ -155,6 +157,7 @@ class ChatApp(App):
         self._fading: tuple[Reply, Static | None] | None = None  # a finished reply still fading
         self._replies: list[tuple[Reply, Static]] = []  # every reply shown, for redraws
         self._redraw_pending = False
+        self._last_redraw = 0.0
         self._reset_history()
 
     # layout ---------------------------------------------------------------------------------
@@ -336,12 +339,18 @@ class ChatApp(App):
         if message.conversation != self.conversation_id or self.reply is None:
             return
         self.reply.add_round(message.event)
-        if not self._redraw_pending:  # rounds that queued up while drawing share one redraw
-            self._redraw_pending = True
+        if self._redraw_pending:  # rounds arriving faster than the screen redraws share one
+            return
+        self._redraw_pending = True
+        wait = self._last_redraw + REDRAW_INTERVAL - time.monotonic()
+        if wait > 0:
+            self.set_timer(wait, self._redraw)
+        else:
             self.call_later(self._redraw)
 
     def _redraw(self) -> None:
         self._redraw_pending = False
+        self._last_redraw = time.monotonic()
         if self.reply is None:
             return
         self._render_reply()
