@@ -338,3 +338,18 @@ def test_reply_cuts_a_stop_string_like_the_engine(chat_pair):
         reply.add_round(event)
     assert reply.stats.finish_reason == "stop_string"
     assert reply.text == full[: full.index(stop)]
+
+
+@aio
+async def test_a_failing_reply_is_one_message_and_stops_generation(chat_pair, monkeypatch):
+    def broken(self, event, now=None):
+        raise ValueError("cannot decode")
+
+    monkeypatch.setattr(Reply, "add_round", broken)
+    app = create_app(chat_pair, max_tokens=1500, seed=0)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hi")
+        (error,) = app.query(".error")
+        assert str(error.content) == "unexpected error: ValueError: cannot decode"
+        assert str(app.query_one("#status").content) == "stopped after an error"
+        assert app.history == [] and app.is_running and not app.busy

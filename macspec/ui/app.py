@@ -336,9 +336,15 @@ class ChatApp(App):
 
     @on(RoundReady)
     def _on_round(self, message: RoundReady) -> None:
-        if message.conversation != self.conversation_id or self.reply is None:
+        if message.conversation != self.conversation_id or self.reply is None or self.reply.failed:
             return
-        self.reply.add_round(message.event)
+        try:
+            self.reply.add_round(message.event)
+        except Exception as e:  # e.g. a tokenizer that cannot decode: say so, stop, keep running
+            self.reply.failed = True
+            self._stop.set()
+            self.show_error(e)
+            return
         if self._redraw_pending:  # rounds arriving faster than the screen redraws share one
             return
         self._redraw_pending = True
@@ -376,6 +382,10 @@ class ChatApp(App):
             self._status("")
             return
         if reply is None:
+            return
+        if reply.failed:  # the error is already on screen; forget the unanswered message
+            self.history.pop()
+            self._status("stopped after an error")
             return
         self.history.append({"role": "assistant", "content": reply.text})
         stats = reply.stats
