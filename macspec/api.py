@@ -18,7 +18,7 @@ from .compat import check_tokenizers
 from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Round, Target, Timing, decode
 from .errors import MacspecError, ModelError, OptionError, PromptError
-from .policy import AdaptiveK, FixedK
+from .policy import AdaptiveK, Costs, FixedK
 from .sampling import SamplingOptions
 
 
@@ -36,6 +36,7 @@ class Pair:
     context_length: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     timing: Timing = field(default_factory=Timing)
+    costs: Costs | None = None  # measured on first adaptive use (see calibrate)
     group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
     drafter_factory: Callable[[bool], Drafter] | None = None
@@ -478,6 +479,8 @@ def _stream(
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     drafter = pair.make_drafter(adaptive) if speculative else None
+    if drafter is not None and adaptive and pair.costs is None:
+        pair.costs = calibrate(pair)
     target = Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False))
     if pair.group is not None:  # a sharded target: rank 0 leads the other ranks
         from .distributed import leader_target
@@ -494,13 +497,46 @@ def _stream(
         eos_ids=set(pair.eos_token_ids),
         context_length=pair.context_length,
         timing=pair.timing,
-        policy=AdaptiveK(num_draft) if adaptive else FixedK(num_draft),
+        policy=AdaptiveK(num_draft, pair.costs) if drafter and adaptive else FixedK(num_draft),
     )
     if pair.group is not None:
         from .distributed import guard
 
         steps = guard(pair, steps)  # bounded waits, communication time per round
     return GenerationStream(pair, ids, steps, stops, seed)
+
+
+def calibrate(pair: Pair, k: int = 4) -> Costs:
+    """Measure, on this machine, what a plain step, a draft token and a wider verification cost:
+    a short plain decode and a short fixed-K speculative decode over arbitrary ids."""
+    from statistics import median
+
+    ids = [(7 * i) % pair.vocab_size for i in range(1, 33)]  # any ids: only the time is used
+    context = min(pair.context_length, 1 << 20)
+
+    def run(drafter: Drafter | None, max_tokens: int) -> list[Round]:
+        steps = decode(
+            Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False)),
+            drafter,
+            ids[: max(2, min(len(ids), context - max_tokens - 1))],
+            SamplingOptions(),
+            max_tokens=max_tokens,
+            num_draft=k,
+            key=mx.random.key(0),
+            eos_ids=set(),
+            context_length=context,
+            timing=pair.timing,
+            policy=FixedK(k),
+        )
+        return list(steps)
+
+    plain = median(r.round_time for r in run(None, 6)[1:])
+    rounds = [r for r in run(pair.make_drafter(False), 1 + 5 * (k + 1)) if r.num_draft]
+    if not rounds:
+        return Costs(plain_step=plain, draft_step=0.0, extra=0.0)
+    draft = median(r.draft_time / r.num_draft for r in rounds)
+    extra = median(max(0.0, r.verify_time - plain) / r.num_draft for r in rounds)
+    return Costs(plain_step=plain, draft_step=draft, extra=extra)
 
 
 def generate(pair: Pair, prompt: str | Sequence[int], **options) -> GenerationResult:

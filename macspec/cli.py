@@ -30,7 +30,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="macspec", description="Exact speculative decoding for local LLMs on MLX."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    registered: set[str] = set()
     for module_name in dict.fromkeys(COMMANDS.values()):
         try:
             module = importlib.import_module(module_name)
@@ -39,7 +38,6 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
-        registered.update(sub.choices)
     return parser
 
 

@@ -208,7 +208,7 @@ def decode(
         # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
         k = 0
         if drafter is not None and generated > 0:
-            k = min(policy.next_k(timing.plain_step), num_draft, room - 1)
+            k = min(policy.next_k(), num_draft, room - 1)
         key, subkey = mx.random.split(key)
         dist = make_dist(opts, history)
         t0 = perf_counter()
@@ -216,7 +216,7 @@ def decode(
             drafts, n, token, draft_time, verify_time = speculative_round(
                 target, drafter, history[-1], k, dist, subkey
             )
-            policy.observe(len(drafts), n, draft_time, verify_time)
+            policy.observe(len(drafts), n)
         else:
             drafts, n, token, draft_time = [], 0, plain_step(target, history[-1], dist, subkey), 0.0
             verify_time = perf_counter() - t0

@@ -1,7 +1,5 @@
 """Draft-free (n-gram) drafting, adaptive K and the fallback to plain decoding stay exact."""
 
-import itertools
-
 import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
@@ -10,7 +8,7 @@ from tinymodels import make_tiny_model
 import macspec
 import macspec.engine as engine
 from macspec.drafters import NgramDrafter
-from macspec.policy import AdaptiveK, expected_tokens
+from macspec.policy import AdaptiveK, Costs, expected_tokens
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +18,19 @@ def small_ngram(small_pair):
     return p
 
 
+# Fixed costs (seconds) instead of this machine's measurements: reproducible policy decisions.
+CHEAP_DRAFT = Costs(plain_step=1.0, draft_step=0.05, extra=0.05)
+SLOW_DRAFT = Costs(plain_step=1.0, draft_step=0.3, extra=0.1)
+
+
 @pytest.fixture()
-def fake_clock(monkeypatch):
-    """Timings that advance 1 ms per reading: the adaptive policy becomes reproducible."""
-    ticks = itertools.count()
-    monkeypatch.setattr(engine, "perf_counter", lambda: next(ticks) * 1e-3)
+def costs(monkeypatch):
+    """Make every pair's calibration return the given costs."""
+
+    def use(c: Costs) -> None:
+        monkeypatch.setattr(macspec.api, "calibrate", lambda pair: c)
+
+    return use
 
 
 # ---------------------------------------------------------------- n-gram lookup
@@ -61,11 +67,14 @@ def test_ngram_greedy_equals_target_only(tiny_dirs, prompt):
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_adaptive_and_hybrid_greedy_equal_target_only(pair, fake_clock, k):
+def test_adaptive_and_hybrid_greedy_equal_target_only(tiny_dirs, costs, k):
+    costs(CHEAP_DRAFT)
+    pair = macspec.load(*tiny_dirs)
     for prompt in ("Adapt", "xyzxyzxyz"):
         plain = macspec.generate(pair, prompt, max_tokens=50, speculative=False)
         r = macspec.generate(pair, prompt, max_tokens=50, num_draft=k)
         assert r.tokens == plain.tokens
+        assert r.stats.drafted > r.stats.accepted
 
 
 @pytest.mark.parametrize("options", [{"temperature": 1.0}, {"temperature": 0.8, "top_k": 3}])
@@ -82,11 +91,14 @@ def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch)
     assert chi_square(expected, counts) < 1e-5
 
 
-def test_adaptive_distribution_matches_target(small_pair, fake_clock):
-    """Adaptive K with the draft's confidence stop and the plain fallback, at temperature 1."""
+def test_adaptive_distribution_matches_target(small_pair, costs):
+    """Adaptive K with the draft's confidence stop, at temperature 1."""
+    costs(CHEAP_DRAFT)
+    fresh = macspec.load(small_pair.target_path, small_pair.draft_path)
+    fresh.eos_token_ids = frozenset()
     options = {"temperature": 1.0, "top_p": 0.9}
-    expected = exact_joint(small_pair, PROMPT, DEPTH, **options)
-    counts = sample_prefixes(small_pair, PROMPT, DEPTH, N, num_draft=3, **options)
+    expected = exact_joint(fresh, PROMPT, DEPTH, **options)
+    counts = sample_prefixes(fresh, PROMPT, DEPTH, N, num_draft=3, **options)
     assert chi_square(expected, counts) > 1e-3
 
 
@@ -109,7 +121,8 @@ def test_ngram_accepts_long_copied_spans_when_text_repeats(tmp_path):
     assert r.stats.rounds < 150 / 2
 
 
-def test_useless_draft_falls_back_to_plain_decoding(tmp_path, fake_clock):
+def test_useless_draft_falls_back_to_plain_decoding(tmp_path, costs):
+    costs(SLOW_DRAFT)
     # A random draft for a different random target: almost nothing is accepted.
     target = make_tiny_model(tmp_path / "t", seed=0, tie=False)
     draft = make_tiny_model(tmp_path / "d", seed=9, tie=False)
@@ -122,31 +135,36 @@ def test_useless_draft_falls_back_to_plain_decoding(tmp_path, fake_clock):
 
 
 def test_policy_switches_to_plain_when_losing_and_back_when_helping():
-    policy = AdaptiveK(k_max=4, probe_after=4)
-    plain = 0.010
-    assert policy.next_k(plain) >= 1  # optimistic prior: try speculation
-    for _ in range(6):  # nothing accepted, drafting costs half a step per token
-        policy.observe(4, 0, draft_time=4 * 0.005, verify_time=0.014)
-    ks = [policy.next_k(plain) for _ in range(4)]
-    assert ks == [0, 0, 0, 0]  # plain decoding, then a probe round
-    assert policy.next_k(plain) >= 1
-    for _ in range(6):  # the draft now helps: everything accepted, drafting cheap
-        policy.observe(4, 4, draft_time=4 * 0.001, verify_time=0.012)
-    assert [policy.next_k(plain) for _ in range(5)] == [4] * 5
+    policy = AdaptiveK(k_max=4, costs=SLOW_DRAFT, probe_after=4)
+    assert policy.next_k() >= 1  # optimistic prior: try speculation
+    for _ in range(6):  # nothing accepted
+        policy.observe(4, 0)
+    assert [policy.next_k() for _ in range(4)] == [0, 0, 0, 0]  # plain decoding...
+    assert policy.next_k() >= 1  # ...then one probe round
+    policy.observe(1, 0)  # the probe fails: a longer plain stretch (8 steps) follows
+    assert [policy.next_k() for _ in range(9)] == [0] * 8 + [1]
+    for _ in range(6):  # the draft now helps: everything accepted
+        policy.observe(4, 4)
+    assert [policy.next_k() for _ in range(5)] == [4] * 5
 
 
 def test_policy_picks_longer_drafts_for_higher_acceptance():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    low, high = AdaptiveK(k_max=8), AdaptiveK(k_max=8)
+    low, high = AdaptiveK(k_max=8, costs=CHEAP_DRAFT), AdaptiveK(k_max=8, costs=CHEAP_DRAFT)
     for _ in range(10):
-        low.observe(4, 1, 0.004, 0.012)
-        high.observe(4, 4, 0.004, 0.012)
-    assert low.best_k(0.010) < high.best_k(0.010) == 8
+        low.observe(4, 1)
+        high.observe(4, 4)
+    assert 1 <= low.best_k() < high.best_k() == 8
 
 
-def test_k_used_per_round_is_reported(pair, fake_clock):
+def test_calibration_measures_positive_costs(pair):
+    c = macspec.api.calibrate(pair)
+    assert c.plain_step > 0 and c.draft_step > 0 and c.extra >= 0
+
+
+def test_k_used_per_round_is_reported(pair):
     events = list(macspec.stream_generate(pair, "Report", max_tokens=40, num_draft=5))
     assert all(0 <= e.num_draft <= 5 for e in events)
     assert all(e.num_draft == len(e.accepted) + len(e.rejected) for e in events)

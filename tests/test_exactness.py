@@ -66,7 +66,7 @@ def test_the_test_detects_a_broken_acceptance_rule(small_pair, monkeypatch, brok
 
 
 def test_draft_equal_to_target_accepts_every_draft(tiny_dirs):
-    same = macspec.load(tiny_dirs[0], tiny_dirs[0])
+    same = macspec.load(tiny_dirs[0], tiny_dirs[0], drafter="model")
     for temperature in (0.0, 0.9):
         r = macspec.generate(
             same,
