@@ -1,0 +1,380 @@
+"""A target sharded over several processes or Macs with MLX distributed (`mlx.launch`).
+
+Rank 0 leads: it runs the whole speculative loop (draft model, acceptance, sampling, stops, text)
+and, before each target operation, sends the other ranks one small message: the operation
+(start a sequence, forward these ids) and the cache length to rewind to first. Every rank then
+runs the same `engine.Target` code on its shard, so the collectives inside the model match one
+for one, and the caches rewind to the same lengths. Every accept/reject decision and every
+sampled id is taken once, on rank 0: no rank can disagree, even where float all-reduce results
+differ in the last bit, and the random stream only exists on rank 0.
+
+Why the draft lives on rank 0 only: the target needs the drafts before it can verify, so drafting
+is on the critical path wherever it runs; replicated drafting would save only the draft ids in the
+per-round message, which is sent anyway (one int32 array of 40 ids, ~0.1 ms over loopback here),
+and would cost every rank the draft's memory and a risk of drafts that differ between machines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .engine import Round, Target
+from .errors import MacspecError, ModelError
+
+# Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
+# loading, before it reports a dead or hung rank. MACSPEC_DIST_TIMEOUT overrides the first.
+ROUND_TIMEOUT = 120.0
+LOAD_TIMEOUT = 900.0
+EXIT_HUNG = 3  # exit code when the watchdog ends a hung run (the main thread cannot be freed)
+
+OP_START, OP_FORWARD, OP_QUIT = 1, 2, 3
+HEADER = 4  # op, rewind-to length (-1: none), number of ids, flags
+INLINE = 36  # ids carried in the fixed-size message; longer payloads follow in a second one
+FLAG_HIDDEN = 1
+
+
+class DistributedError(MacspecError):
+    """A rank died, hung or disagrees; or the model cannot be sharded over the group."""
+
+
+def init_group() -> Any | None:
+    """The group when this process was started by mlx.launch (or mpirun), else None.
+
+    The backend follows from what the launcher set: ring (MLX_HOSTFILE), JACCL (MLX_IBV_DEVICES),
+    MPI (OMPI_* variables)."""
+    env = os.environ
+    if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
+        backend = "jaccl"
+    elif "MLX_HOSTFILE" in env and "MLX_RANK" in env:
+        backend = "ring"
+    elif "OMPI_COMM_WORLD_SIZE" in env:
+        backend = "mpi"
+    else:
+        return None
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except Exception as e:  # the backend raises RuntimeError/ValueError with its own text
+        raise DistributedError(f"cannot join the {backend} group: {e}") from e
+    return group if group.size() > 1 else None
+
+
+def rank(pair: Any) -> int:
+    group = getattr(pair, "group", None)
+    return group.rank() if group is not None else 0
+
+
+def is_leader(pair: Any) -> bool:
+    """True on rank 0 (and without a group): the rank that generates, prints and streams."""
+    return rank(pair) == 0
+
+
+class Watchdog:
+    """Ends the process with a clear message if a collective does not finish in time.
+
+    A collective blocked on a dead or stopped peer cannot be interrupted from Python, so the
+    only bounded way out is to report and exit from a second thread."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+        self._deadline: float | None = None
+        self._what = ""
+        self._seconds = 0.0
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="macspec-watchdog", daemon=True).start()
+
+    def arm(self, what: str, seconds: float) -> None:
+        with self._cond:
+            self._deadline, self._what, self._seconds = time.monotonic() + seconds, what, seconds
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def save(self) -> tuple[float | None, str, float]:
+        return self._deadline, self._what, self._seconds
+
+    def restore(self, state: tuple[float | None, str, float]) -> None:
+        """Back to an outer deadline (a round's) after an inner collective."""
+        with self._cond:
+            self._deadline, self._what, self._seconds = state
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                others = "rank 0" if self.rank else "rank 1"
+                others = others if self.rank or self.size == 2 else f"ranks 1-{self.size - 1}"
+                sys.stderr.write(
+                    f"macspec: error: rank {self.rank}: no answer from {others} for "
+                    f"{self._seconds:.0f}s while {self._what}: a rank has died or hangs "
+                    "(check its machine and output); stopping\n"
+                )
+                sys.stderr.flush()
+                os._exit(EXIT_HUNG)
+
+
+class Link:
+    """Rank 0's messages to the other ranks, with timing and failure detection."""
+
+    def __init__(self, group: Any, timeout: float | None = None):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        env = os.environ.get("MACSPEC_DIST_TIMEOUT")
+        self.timeout = timeout or (float(env) if env else ROUND_TIMEOUT)
+        self.watchdog = Watchdog(self.rank, self.size)
+        self.comm_time = 0.0  # seconds rank 0 spent in messages and collectives, for the bench
+        # Also time the all-reduces inside the forward pass (MACSPEC_COMM_TIMING=0: messages only).
+        self.time_collectives = os.environ.get("MACSPEC_COMM_TIMING", "1") != "0"
+        self.broken = False
+        self.quit_sent = False
+        self.target: Target | None = None  # this rank's target of the latest generation
+
+    def collective(self, x: mx.array, what: str, seconds: float | None = None) -> mx.array:
+        """all_sum(x) over the group, bounded by the watchdog; errors name the failure."""
+        outer = self.watchdog.save()
+        self.watchdog.arm(what, seconds or self.timeout)
+        try:
+            y = mx.distributed.all_sum(x, group=self.group, stream=mx.cpu)
+            mx.eval(y)
+        except RuntimeError as e:
+            self.broken = True
+            raise DistributedError(
+                f"rank {self.rank}: lost the connection to another rank while {what} "
+                f"(a rank exited or its machine went away): {e}"
+            ) from e
+        finally:
+            self.watchdog.restore(outer)
+        return y
+
+    def send(self, op: int, ids: list[int], trim: int = -1, flags: int = 0) -> None:
+        """Rank 0: broadcast one operation (a sum where every other rank adds zeros)."""
+        t0 = time.perf_counter()
+        msg = [op, trim, len(ids), flags] + ids[:INLINE]
+        msg += [0] * (HEADER + INLINE - len(msg))
+        self.collective(mx.array(msg, dtype=mx.int32), "sending the next operation")
+        if len(ids) > INLINE:
+            self.collective(mx.array(ids[INLINE:], dtype=mx.int32), "sending the prompt")
+        self.comm_time += time.perf_counter() - t0
+
+    def receive(self) -> tuple[int, list[int], int, int]:
+        """Other ranks: wait (without a deadline: rank 0 may sit idle in a chat) for one op."""
+        zeros = mx.zeros((HEADER + INLINE,), dtype=mx.int32)
+        try:
+            msg = mx.distributed.all_sum(zeros, group=self.group, stream=mx.cpu).tolist()
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {self.rank}: lost the connection to rank 0 (it exited or its machine "
+                f"went away): {e}"
+            ) from e
+        op, trim, n, flags = msg[:HEADER]
+        ids = msg[HEADER : HEADER + min(n, INLINE)]
+        if n > INLINE:
+            rest = self.collective(mx.zeros((n - INLINE,), dtype=mx.int32), "receiving the prompt")
+            ids += rest.tolist()
+        return op, ids, trim, flags
+
+    def quit(self) -> None:
+        """Rank 0: release the other ranks (at exit). Skipped once the group is broken."""
+        if self.rank == 0 and not self.broken and not self.quit_sent:
+            self.quit_sent = True
+            try:
+                self.send(OP_QUIT, [])
+            except DistributedError:
+                pass  # already exiting; the other ranks see the closed connection
+
+
+_LINKS: dict[int, Link] = {}
+
+
+def link_of(pair: Any) -> Link:
+    return _LINKS[id(pair.group)]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_sharded(path: Path, group: Any) -> tuple[nn.Module, Any, dict]:
+    """Load this rank's part of the target: tensor parallel where the model supports it, else
+    pipeline stages. Returns (model, tokenizer, config) like mlx-lm's load."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    link = _LINKS.setdefault(id(group), Link(group))
+    if link.rank == 0:
+        atexit.register(link.quit)
+    try:
+        # Lazy: the file is mapped, and only the slices this rank keeps are ever read into memory.
+        model, config = load_model(path, lazy=True)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/FileNotFoundError from inside
+        raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
+    _check_divisible(model, path, link.size)
+    if hasattr(model, "shard"):
+        model.shard(group)
+    elif hasattr(getattr(model, "model", None), "pipeline"):
+        model.model.pipeline(group)
+    else:
+        raise ModelError(
+            f"{path}: mlx-lm cannot shard this architecture ({config.get('model_type')}) "
+            "over several ranks; run it on one machine"
+        )
+    # Layer by layer: at most one full weight is in memory before it is cut to this rank's part.
+    for layer in getattr(model, "layers", []) or []:
+        if layer is not None:
+            mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    # Every rank must be here before the first message: slow loaders get LOAD_TIMEOUT.
+    link.collective(mx.array([1], dtype=mx.int32), "loading the model", LOAD_TIMEOUT)
+    return model, tokenizer, config
+
+
+def _check_divisible(model: nn.Module, path: Path, size: int) -> None:
+    """Tensor parallelism splits attention heads: refuse a group size that does not divide them."""
+    if not hasattr(model, "shard"):
+        return
+    args = getattr(model, "args", None)
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(args, name, None)
+        if isinstance(heads, int) and heads % size:
+            raise ModelError(
+                f"{path}: {name}={heads} cannot be split over {size} ranks; "
+                f"use a number of ranks that divides it"
+            )
+
+
+# ---------------------------------------------------------------- generation
+
+
+class LeaderTarget(Target):
+    """Rank 0's target: each operation is first sent to the other ranks, which mirror it."""
+
+    def __init__(self, link: Link, model: nn.Module, vocab_size: int, keep_hidden: bool):
+        super().__init__(model, vocab_size, keep_hidden)
+        self.link = link
+        link.target = self
+        self._rewind = -1  # a rewind the other ranks still have to apply
+
+    def start(self, prompt: list[int]) -> None:
+        self._rewind = -1
+        self.link.send(OP_START, list(prompt), flags=FLAG_HIDDEN if self.keep_hidden else 0)
+        super().start(prompt)
+
+    def logits(self, tokens: mx.array) -> mx.array:
+        # The rewind rides with the next forward: one message per round, not two.
+        self.link.send(OP_FORWARD, tokens.tolist(), trim=self._rewind)
+        self._rewind = -1
+        if not self.link.time_collectives:
+            return super().logits(tokens)
+        with timed_all_sum(self.link):
+            return super().logits(tokens)
+
+    def trim_to(self, length: int) -> None:
+        super().trim_to(length)
+        self._rewind = length
+
+
+@contextmanager
+def timed_all_sum(link: Link) -> Iterator[None]:
+    """Time the model's own all-reduces: evaluate each input first, then the sum alone.
+
+    Only around a forward pass whose whole output is evaluated anyway (logits), so that the
+    same collectives run as on the other ranks; the extra syncs cost a little speed."""
+    orig = mx.distributed.all_sum
+
+    def all_sum(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        mx.eval(x)
+        t0 = time.perf_counter()
+        y = orig(x, *args, **kwargs)
+        mx.eval(y)
+        link.comm_time += time.perf_counter() - t0
+        return y
+
+    mx.distributed.all_sum = all_sum
+    try:
+        yield
+    finally:
+        mx.distributed.all_sum = orig
+
+
+def leader_target(pair: Any, keep_hidden: bool) -> LeaderTarget:
+    if not is_leader(pair):
+        raise DistributedError(
+            f"rank {rank(pair)} does not generate: rank 0 does; call "
+            "macspec.distributed.serve(pair) on the other ranks"
+        )
+    return LeaderTarget(link_of(pair), pair.target, pair.vocab_size, keep_hidden)
+
+
+def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
+    """Rank 0's rounds, each bounded by the watchdog, with its communication time filled in."""
+    link = link_of(pair)
+    try:
+        while True:
+            before = link.comm_time
+            link.watchdog.arm("verifying a round", link.timeout)
+            try:
+                r = next(steps)
+            except StopIteration:
+                return
+            except RuntimeError as e:  # a collective inside the model's forward pass failed
+                link.broken = True
+                raise DistributedError(
+                    f"rank 0: lost the connection to another rank during a round "
+                    f"(a rank exited or its machine went away): {e}"
+                ) from e
+            finally:
+                link.watchdog.disarm()
+            yield replace(r, comm_time=link.comm_time - before)
+    finally:
+        steps.close()
+
+
+def serve(pair: Any) -> None:
+    """Ranks > 0: run this rank's shard of the target for rank 0 until it quits."""
+    link = link_of(pair)
+    target: Target | None = None
+    while True:
+        op, ids, rewind, flags = link.receive()
+        if op == OP_QUIT:
+            return
+        if target is not None and rewind >= 0:
+            target.trim_to(rewind)
+        try:
+            if op == OP_START:
+                target = Target(pair.target, pair.vocab_size, bool(flags & FLAG_HIDDEN))
+                link.target = target
+                target.start(ids)
+            elif op == OP_FORWARD and target is not None:
+                mx.eval(target.logits(mx.array(ids, dtype=mx.int32)))
+            else:
+                raise DistributedError(f"rank {link.rank}: unexpected message {op} from rank 0")
+        except RuntimeError as e:
+            raise DistributedError(
+                f"rank {link.rank}: lost the connection to another rank: {e}"
+            ) from e
+
+
+def serve_if_follower(pair: Any) -> None:
+    """For commands: ranks > 0 serve rank 0 and then end the process; rank 0 returns."""
+    if not is_leader(pair):
+        serve(pair)
+        raise SystemExit(0)
