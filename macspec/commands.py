@@ -44,9 +44,13 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def load_pair(args: argparse.Namespace):
     from . import load
+    from .distributed import init_group, serve_if_follower
 
     kwargs = {"drafter": args.drafter} if getattr(args, "drafter", None) else {}
-    return load(args.target, args.draft, **kwargs)
+    # Under mlx.launch the target is sharded; ranks > 0 serve rank 0 and exit in there.
+    pair = load(args.target, args.draft, group=init_group(), **kwargs)
+    serve_if_follower(pair)
+    return pair
 
 
 def chat_prompt(tokenizer, text: str, system: str | None = None) -> str:
