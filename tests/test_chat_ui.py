@@ -19,7 +19,7 @@ import macspec
 from macspec import cli
 from macspec.ui import create_app
 from macspec.ui.app import STYLES
-from macspec.ui.plain import ANSI, run_plain
+from macspec.ui.plain import ANSI, answer, run_plain
 from macspec.ui.prompt import chat_prompt
 from macspec.ui.transcript import DRAFT, REJECTED, TARGET, Reply, TokenTexts
 
@@ -60,12 +60,17 @@ def chat_pair(chat_dirs):
 
 
 @pytest.fixture(scope="module")
-def short_pair(tmp_path_factory):
+def short_dirs(tmp_path_factory):
     """A target whose context holds only 32 tokens."""
     root = tmp_path_factory.mktemp("short")
     target = make_tiny_model(root / "target", seed=0, context=32)
     draft = make_tiny_model(root / "draft", seed=1, context=32)
-    return macspec.load(target, draft)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def short_pair(short_dirs):
+    return macspec.load(*short_dirs)
 
 
 def expected_text(pair, history, **options) -> str:
@@ -289,6 +294,34 @@ def test_plain_mode_via_cli_reads_stdin_lines(chat_dirs, capsys, monkeypatch):
     assert len(re.findall(r"^\[\d+ rounds · 10 tokens", out, flags=re.M)) == 2
 
 
+def test_cli_one_shot_prompt_error_is_a_message_and_exit_code(short_dirs, capsys):
+    target, draft = (str(d) for d in short_dirs)
+    long = "this message is much longer than the context"
+    assert cli.main(["chat", "--target", target, "--draft", draft, "-p", long]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith("macspec: error: the prompt has")
+    assert "Traceback" not in captured.err
+
+
+def test_plain_ctrl_c_ends_only_the_answer(chat_pair, monkeypatch):
+    calls = []
+    real = Reply.add_round
+
+    def interrupted(self, event, now=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(self, event, now)
+
+    monkeypatch.setattr(Reply, "add_round", interrupted)
+    history = [{"role": "user", "content": "hi"}]
+    reply = answer(chat_pair, history, OPTS40, io.StringIO(), interruptible=True)
+    assert reply.stopped and reply.stats.rounds == 2
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        answer(chat_pair, history, OPTS40, io.StringIO())
+
+
 def test_cli_load_error_is_a_message(capsys, tmp_path):
     missing = tmp_path / "nope"
     assert cli.main(["chat", "--target", str(missing), "-p", "hi"]) == 1
@@ -323,9 +356,11 @@ def test_token_texts_join_to_the_tokenizers_decode(chat_pair):
 def test_plain_mode_reports_a_bad_message_and_goes_on(short_pair):
     out = io.StringIO()
     lines = ["this message is much longer than the context\n", "hi\n"]
-    assert run_plain(short_pair, {"seed": 0, **FIXED}, lines=lines, out=out, color=False) == 0
+    err = io.StringIO()
+    options = {"seed": 0, **FIXED}
+    assert run_plain(short_pair, options, lines=lines, out=out, err=err, color=False) == 0
+    assert err.getvalue().startswith("macspec: error: the prompt has")
     text = out.getvalue()
-    assert "macspec: error: the prompt has" in text
     assert re.search(r"^\[\d+ rounds · .* · finish: context\]$", text, flags=re.M)
 
 

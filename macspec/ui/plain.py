@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
-from ..errors import MacspecError, PromptError
+from ..errors import MacspecError
 from .prompt import chat_prompt
 from .transcript import DRAFT, REJECTED, TARGET, Reply, Span
 
@@ -51,8 +51,12 @@ def answer(
     options: dict[str, Any],
     out: TextIO,
     color: bool = True,
+    interruptible: bool = False,
 ) -> Reply:
-    """Stream one answer to `out`; returns the finished Reply (text + stats)."""
+    """Stream one answer to `out`; returns the finished Reply (text + stats).
+
+    With `interruptible`, Ctrl+C ends this answer only (`reply.stopped`), as Esc does in the app.
+    """
     import macspec
 
     prompt = chat_prompt(pair.tokenizer, messages)
@@ -66,6 +70,10 @@ def answer(
             # a stream cannot take text back, so rejected drafts are left out here
             out.write(_paint(reply.spans[start:], color))
             out.flush()
+    except KeyboardInterrupt:
+        if not interruptible:
+            raise
+        reply.stopped = True
     finally:
         close = getattr(stream, "close", None)
         if close is not None:
@@ -82,43 +90,49 @@ def run_plain(
     prompt: str | None = None,
     lines: Iterable[str] | None = None,
     out: TextIO | None = None,
+    err: TextIO | None = None,
     color: bool | None = None,
 ) -> int:
-    """The plain chat loop; errors about one message are printed and the loop goes on."""
+    """The plain chat loop. With `prompt`: one answer, and an error ends it (the CLI reports it).
+    Reading lines: an error about one message goes to `err` and the loop goes on."""
     out = out or sys.stdout
+    err = err or sys.stderr
     if color is None:
         color = "NO_COLOR" not in os.environ
     history = [{"role": "system", "content": system}] if system else []
     messages = [prompt] if prompt is not None else (lines if lines is not None else sys.stdin)
     interactive = prompt is None and lines is None and sys.stdin.isatty()
     out.write(legend(color))
-    pending = iter(messages)
-    while True:
-        if interactive:
-            out.write("> ")
-            out.flush()
-        try:
-            line = next(pending)
-        except StopIteration:
-            break
+    for line in _prompted(messages, out if interactive else None):
         message = line.rstrip("\n")
         if not message.strip():
             continue
         history.append({"role": "user", "content": message})
         try:
-            reply = answer(pair, history, options, out, color)
+            reply = answer(pair, history, options, out, color, interruptible=interactive)
         except MacspecError as e:
-            out.write(f"\nmacspec: error: {e}\n")
-            out.flush()
-            if isinstance(e, PromptError):
-                history.pop()
+            history.pop()  # unanswered: the next message must not follow it
             if prompt is not None:
-                return e.exit_code
+                raise
+            out.flush()
+            err.write(f"macspec: error: {e}\n")
+            err.flush()
             continue
         history.append({"role": "assistant", "content": reply.text})
-        summary = reply.stats.summary()
+        summary = reply.stats.summary() + (" · stopped (Ctrl+C)" if reply.stopped else "")
         out.write(f"\n{DIM}[{summary}]{RESET}\n" if color else f"\n[{summary}]\n")
         out.flush()
-        if prompt is not None:
-            break
     return 0
+
+
+def _prompted(messages: Iterable[str], prompt_to: TextIO | None) -> Iterator[str]:
+    """The messages, showing a "> " prompt before each when a person is typing them."""
+    pending = iter(messages)
+    while True:
+        if prompt_to is not None:
+            prompt_to.write("> ")
+            prompt_to.flush()
+        try:
+            yield next(pending)
+        except StopIteration:
+            return

@@ -190,6 +190,7 @@ class Reply:
         self.stats = Stats()
         self.linger = linger  # seconds a rejected draft stays visible; None = for good
         self.failed = False  # drawing this reply went wrong; later rounds are ignored
+        self.stopped = False  # the user ended it early
         self._engine_text = ""  # what the engine says was emitted (authoritative on stop strings)
 
     @property
