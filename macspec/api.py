@@ -41,6 +41,15 @@ class Pair:
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
     drafter_factory: Callable[[bool], Drafter] | None = None
 
+    def describe(self) -> str:
+        """One line naming the models and how drafts are made."""
+        target = self.target_path.name
+        if self.drafter_kind is None:
+            return f"{target}, plain decoding (no draft)"
+        if self.draft_path is None:
+            return f"{target}, {self.drafter_kind} drafting (no draft model)"
+        return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:
         return self.drafter_factory(adaptive) if self.drafter_factory else None
 
@@ -230,8 +239,10 @@ def load(
         from .default import default_draft, default_target
 
         target_path = default_target()
-        if draft is None:
+        if draft is None and drafter is None:
             draft = default_draft()
+            # No distilled default draft yet: draft-free (n-gram) drafting still helps.
+            drafter = "ngram" if draft is None else None
     else:
         target_path = _resolve(target)
     if group is not None and group.size() == 1:

@@ -14,7 +14,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--target/--draft/--drafter, shared by the commands that load a pair."""
     p.add_argument("--target", help="target model: directory or store name (default: embedded)")
     p.add_argument("--draft", help="draft model: directory or store name")
-    p.add_argument("--drafter", help="drafting method when not a draft model")
+    p.add_argument(
+        "--drafter",
+        choices=["model", "ngram"],
+        help="'ngram': copy from the prompt and output, no draft model; "
+        "'model': the draft model only (default: n-gram first, then the draft model)",
+    )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +36,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-speculation", dest="speculative", action="store_false", help="plain decoding"
     )
+    p.add_argument(
+        "--no-adaptive", dest="adaptive", action="store_false", help="draft exactly K every round"
+    )
 
 
 SAMPLING_KEYS = (
     "max_tokens temperature top_p top_k min_p repetition_penalty num_draft seed stop speculative"
+    " adaptive"
 ).split()
 
 
@@ -88,6 +97,7 @@ def run_generate(args: argparse.Namespace) -> int:
     pair = load_pair(args)
     if not args.raw_prompt:
         prompt = chat_prompt(pair.tokenizer, prompt, args.system)
+    print(f"[macspec] {pair.describe()}", file=sys.stderr)
     stream = stream_generate(pair, prompt, **sampling_kwargs(args))
     tokens, finish = [], None
     for event in stream:

@@ -1,0 +1,47 @@
+"""`macspec generate` mirrors macspec.generate(); errors become one message and an exit code."""
+
+import json
+
+import macspec
+from macspec.cli import main
+
+
+def test_generate_json_equals_the_api(tiny_dirs, capsys):
+    target, draft = map(str, tiny_dirs)
+    args = ["generate", "Hello", "--target", target, "--draft", draft, "--raw-prompt"]
+    args += ["--max-tokens", "20", "--temperature", "0.8", "--seed", "4", "--num-draft", "3"]
+    assert main([*args, "--no-adaptive", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pair = macspec.load(target, draft)
+    r = macspec.generate(
+        pair, "Hello", max_tokens=20, temperature=0.8, seed=4, num_draft=3, adaptive=False
+    )
+    assert out["tokens"] == r.tokens
+    assert out["stats"]["accepted"] == r.stats.accepted
+    assert out["stats"]["drafted"] == r.stats.drafted
+
+
+def test_generate_streams_text_and_a_summary(tiny_dirs, capsys):
+    target = str(tiny_dirs[0])
+    assert (
+        main(["generate", "Hi", "--target", target, "--drafter", "ngram", "--max-tokens", "12"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    pair = macspec.load(target)
+    prompt = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert captured.out == macspec.generate(pair, prompt, max_tokens=12).text + "\n"
+    assert "ngram drafting" in captured.err and "tok/s" in captured.err
+
+
+def test_errors_are_one_line_and_an_exit_code(tmp_path, capsys):
+    assert main(["generate", "Hi", "--target", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("macspec: error: ") and "missing" in err and "Traceback" not in err
+
+
+def test_invalid_option_exit_code(tiny_dirs, capsys):
+    assert main(["generate", "Hi", "--target", str(tiny_dirs[0]), "--num-draft", "0"]) == 2
+    assert "num_draft" in capsys.readouterr().err
