@@ -67,8 +67,11 @@ class Target:
     def start(self, prompt: list[int]) -> None:
         self.cache = make_prompt_cache(self.model)
         if self.keep_hidden:
-            self.hidden = hidden_states(self.model, mx.array(prompt[:-1]), self.cache)
-            mx.eval(self.hidden)
+            body, chunks = prompt[:-1], []
+            for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
+                chunks.append(hidden_states(self.model, mx.array(body[i : i + 512]), self.cache))
+                mx.eval(chunks[-1])
+            self.hidden = mx.concatenate(chunks) if chunks else None
         else:
             prefill(self.model, self.cache, prompt[:-1])
 
