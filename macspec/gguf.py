@@ -286,7 +286,9 @@ def _spm_tokenizer(meta: dict, tokens: list[str], types: list[int], path: Path):
             byte_fallback=True,
         )
     )
-    prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    # As llama.cpp and SentencePiece: spaces become "▁" and each text run (also one after a special
+    # token) gets a "▁" in front, even one that starts with a space (Metaspace would skip that).
     norm = [normalizers.Replace(" ", "▁")]
     if prefix:
         norm.insert(0, normalizers.Prepend("▁"))

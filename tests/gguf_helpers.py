@@ -152,6 +152,8 @@ def _mx_meta(meta: dict) -> dict:
             out[k] = mx.array(v, dtype=mx.float32)
         elif isinstance(v, list) and v and isinstance(v[0], int):
             out[k] = mx.array(v, dtype=mx.int32)
+        elif isinstance(v, list) and v and isinstance(v[0], float):
+            out[k] = mx.array(v, dtype=mx.float32)
         else:
             out[k] = v
     return out
@@ -224,7 +226,36 @@ def write_blocks_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], me
     path.write_bytes(head + b"".join(blobs))
 
 
-def hf_to_gguf(src: Path, out: Path, kind: str = "f32", pre: str = "smollm") -> dict:
+def spm_metadata(model_file: Path) -> dict:
+    """A SentencePiece model as llama.cpp stores it: pieces, scores and token types."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    n = sp.get_piece_size()
+
+    def kind(i: int) -> int:
+        if sp.is_control(i):
+            return 3
+        if sp.is_unknown(i):
+            return 2
+        return 6 if sp.is_byte(i) else 1
+
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+        "tokenizer.ggml.token_type": [kind(i) for i in range(n)],
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_space_prefix": True,
+    }
+
+
+def hf_to_gguf(
+    src: Path, out: Path, kind: str = "f32", pre: str = "smollm", tok_meta: dict | None = None
+) -> dict:
     """Write the model in `src` as a GGUF file; returns the weights (HF names, float32) that the
     file stands for, so a test can build the exact reference model."""
     config = json.loads((src / "config.json").read_text())
@@ -232,7 +263,8 @@ def hf_to_gguf(src: Path, out: Path, kind: str = "f32", pre: str = "smollm") -> 
         k: np.array(v.astype(mx.float32))
         for k, v in mx.load(str(src / "model.safetensors")).items()
     }
-    meta = {**model_metadata(config), **tokenizer_metadata(src, pre)}
+    tok_meta = tokenizer_metadata(src, pre) if tok_meta is None else tok_meta
+    meta = {**model_metadata(config), **tok_meta}
     tensors, reference = {}, {}
     for name, w in weights.items():
         g = w

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf_helpers import hf_to_gguf, make_bpe_model
 from mlx_lm.utils import load_model, load_tokenizer
+from tinymodels import make_tiny_model
 
 from macspec.convert import convert
 from macspec.errors import ConvertError
@@ -164,3 +165,33 @@ def test_unknown_tensor_is_named(source, tmp_path, monkeypatch):
     hf_to_gguf(source, gguf, "f32")
     with pytest.raises(ConvertError, match="unexpected tensor 'blk.0.mystery.weight'"):
         convert(str(gguf), output="t")
+
+
+def test_sentencepiece_gguf_tokenizes_like_sentencepiece(tmp_path):
+    """A llama-type ("llama" = SentencePiece) GGUF vocabulary rebuilds into a tokenizer that
+    encodes plain text exactly as SentencePiece (and llama.cpp) do, BOS included."""
+    import io
+
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(gguf_helpers.CORPUS),
+        model_writer=model,
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",  # as Llama's: llama.cpp applies no normalizer
+        remove_extra_whitespaces=False,
+        minloglevel=2,
+    )
+    (tmp_path / "sp.model").write_bytes(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    src = make_tiny_model(tmp_path / "src", vocab_rows=400)  # its own tokenizer goes unused
+    gguf = tmp_path / "spm.gguf"
+    hf_to_gguf(src, gguf, "f32", tok_meta=gguf_helpers.spm_metadata(tmp_path / "sp.model"))
+    tokenizer = load_tokenizer(convert(str(gguf), output="spm"))
+    for text in TEXTS[:2] + TEXTS[3:] + ["  leading spaces", "x", "The draft proposes."]:
+        ids = [sp.bos_id()] + sp.encode(text)
+        assert tokenizer.encode(text) == ids, text
+        assert tokenizer.decode(ids[1:]) == text
