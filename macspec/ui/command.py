@@ -62,7 +62,12 @@ def _load_pair(args: argparse.Namespace) -> Any:
             raise OptionError("--pair names both models: leave out --target/--draft")
         target, draft = _catalog_pair(args.pair)
     kwargs = {"drafter": args.drafter} if args.drafter else {}
-    return macspec.load(target, draft, **kwargs)
+    from ..distributed import init_group, serve_if_follower
+
+    # Under mlx.launch the target is sharded: the chat runs on rank 0, the other ranks serve it.
+    pair = macspec.load(target, draft, group=init_group(), **kwargs)
+    serve_if_follower(pair)
+    return pair
 
 
 def _catalog_pair(name: str) -> tuple[Any, Any]:
