@@ -117,6 +117,44 @@ def _meta(meta: dict, key: str, path: Path, default: Any = ...) -> Any:
     return default
 
 
+def _llama3_factors(base: float, dim: int, factor: float, low: float, high: float, old: int):
+    """The per-frequency factors convert_hf_to_gguf stores as rope_freqs for Llama 3.1 rope."""
+    import math
+
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama3_scaling(freqs: mx.array, base: float, dim: int, path: Path) -> dict:
+    """Recover Llama 3.1's rope_scaling from the rope_freqs tensor (GGUF keeps only the factors);
+    the released Llama 3.x models all use low 1, high 4, original context 8192."""
+    have = [float(x) for x in freqs.astype(mx.float32).tolist()]
+    factor = max(have)
+    want = _llama3_factors(base, dim, factor, 1.0, 4.0, 8192)
+    close = all(abs(a - b) <= 1e-4 * b for a, b in zip(want, have, strict=False))
+    if len(want) == len(have) and close:
+        return {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    raise ConvertError(
+        f"{path}: its rope_freqs factors do not match Llama 3.1-style rope scaling; convert the "
+        "model from its Hugging Face repo instead"
+    )
+
+
 def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
     """A Hugging Face config.json for the GGUF's architecture (llama family)."""
     arch = _meta(meta, "general.architecture", path)
@@ -124,11 +162,6 @@ def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
         raise ConvertError(
             f"{path}: GGUF architecture '{arch}' is not supported (only 'llama', which also covers "
             "Mistral/SmolLM/TinyLlama GGUFs); convert the model from its Hugging Face repo instead"
-        )
-    if "rope_freqs.weight" in tensors:
-        raise ConvertError(
-            f"{path}: this GGUF uses Llama-3.1-style rope frequency factors (rope_freqs), which "
-            "macspec cannot map back yet; convert the model from its Hugging Face repo instead"
         )
     p = f"{arch}."
     hidden = int(_meta(meta, p + "embedding_length", path))
@@ -155,6 +188,10 @@ def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
         "attention_bias": False,
         "mlp_bias": False,
     }
+    if "rope_freqs.weight" in tensors:
+        config["rope_scaling"] = _llama3_scaling(
+            tensors["rope_freqs.weight"], config["rope_theta"], config["head_dim"], path
+        )
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -174,6 +211,8 @@ def hf_weights(tensors: dict[str, mx.array], config: dict, path: Path) -> tuple[
     """Rename tensors and undo the Q/K permutation; returns (weights, quantization config)."""
     weights: dict[str, mx.array] = {}
     for name, value in tensors.items():
+        if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+            continue
         hf = _hf_name(name)
         if hf is None:
             raise ConvertError(f"{path}: unexpected tensor '{name}' for architecture llama")

@@ -280,6 +280,9 @@ def hf_to_gguf(
             reference[name] = _quantize(w, t)[1]
         elif t == "f16":
             reference[name] = w.astype(np.float16).astype(np.float32)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = (llama3_rope_freqs(config), "f32")
     if kind in ("f32", "f16"):
         dtype = {"f32": mx.float32, "f16": mx.float16}[kind]
         arrays = {
@@ -290,3 +293,18 @@ def hf_to_gguf(
     else:
         write_blocks_gguf(out, tensors, meta)
     return reference
+
+
+def llama3_rope_freqs(config: dict) -> np.ndarray:
+    """convert_hf_to_gguf's rope_freqs tensor for Llama 3.1 rope scaling (written independently)."""
+    scaling = config["rope_scaling"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    inv = 1.0 / config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / inv
+    old = scaling.get("original_max_position_embeddings", 8192)
+    low, high, factor = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["factor"]
+    smooth = (old / wavelen - low) / (high - low)
+    out = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, 0.0))
+    mid = (wavelen >= old / high) & (wavelen <= old / low)
+    out[mid] = 1 / ((1 - smooth[mid]) / factor + smooth[mid])
+    return out.astype(np.float32)

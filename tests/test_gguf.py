@@ -195,3 +195,30 @@ def test_sentencepiece_gguf_tokenizes_like_sentencepiece(tmp_path):
         ids = [sp.bos_id()] + sp.encode(text)
         assert tokenizer.encode(text) == ids, text
         assert tokenizer.decode(ids[1:]) == text
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    """Llama 3.1-style rope: GGUF keeps only per-frequency factors (rope_freqs); the converter
+    recovers rope_scaling and the model's logits match the source's."""
+    src = make_bpe_model(tmp_path / "src", seed=4, scale=4.0)
+    config = json.loads((src / "config.json").read_text())
+    config["rope_theta"] = 1e6  # so that one frequency is scaled, one smoothed, two kept
+    config["rope_scaling"] = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    (src / "config.json").write_text(json.dumps(config))
+    factors = gguf_helpers.llama3_rope_freqs(config)
+    assert (factors == 1).sum() == 2 and factors.max() == 8 and 1 < factors[2] < 8
+    gguf = tmp_path / "l3.gguf"
+    hf_to_gguf(src, gguf, "f32")
+    path = convert(str(gguf), output="l3", dtype="float32")
+    assert json.loads((path / "config.json").read_text())["rope_scaling"] == config["rope_scaling"]
+    np.testing.assert_allclose(_logits(load_model(path)[0]), _logits(load_model(src)[0]), atol=1e-5)
+    # and the scaling matters at these positions: without it the logits differ
+    unscaled = {k: v for k, v in config.items() if k != "rope_scaling"}
+    (path / "config.json").write_text(json.dumps(unscaled))
+    assert not np.allclose(_logits(load_model(path)[0]), _logits(load_model(src)[0]), atol=1e-5)
