@@ -16,7 +16,7 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
 
@@ -165,7 +165,7 @@ class ChatApp(App):
         yield Header()
         with Horizontal(id="main"):
             yield VerticalScroll(id="conversation")
-            with Vertical(id="side"):
+            with VerticalScroll(id="side"):  # scrolls in short terminals
                 yield Static(self._legend(), id="legend")
                 yield Static(id="stats")
                 yield Static("accepted drafts per round", id="chart-label")
