@@ -70,12 +70,89 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+# GGUF tensor types -> names; MLX reads these (the K-quants and BF16 come back as float16).
+GGUF_TYPES = {
+    0: "F32",
+    1: "F16",
+    30: "BF16",
+    8: "Q8_0",
+    2: "Q4_0",
+    3: "Q4_1",
+    10: "Q2_K",
+    12: "Q4_K",
+    14: "Q6_K",
+}
+_OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 11: "Q3_K", 13: "Q5_K", 15: "Q8_K", 16: "IQ2_XXS"}
+_OTHER_TYPES.update({17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S"})
+_OTHER_TYPES.update({22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M", 34: "TQ1_0", 35: "TQ2_0"})
+# Sizes of GGUF metadata value types (uint8 .. float64); 8 = string and 9 = array are variable.
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """Each tensor's GGUF type id, read from the header (MLX silently drops unknown types)."""
+    import struct
+
+    with open(path, "rb") as f:
+
+        def read(fmt: str):
+            size = struct.calcsize(fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ConvertError(f"{path}: truncated GGUF header")
+            return struct.unpack(fmt, data)
+
+        def skip_string() -> None:
+            (n,) = read("<Q")
+            f.seek(n, 1)
+
+        def skip_value(kind: int) -> None:
+            if kind == 8:
+                skip_string()
+            elif kind == 9:
+                inner, count = read("<IQ")
+                if inner in _VALUE_SIZES:
+                    f.seek(_VALUE_SIZES[inner] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip_value(inner)
+            elif kind in _VALUE_SIZES:
+                f.seek(_VALUE_SIZES[kind], 1)
+            else:
+                raise ConvertError(f"{path}: corrupt GGUF metadata (value type {kind})")
+
+        magic, version = read("<4sI")
+        if magic != b"GGUF" or version < 2:
+            raise ConvertError(f"{path}: not a GGUF v2/v3 file")
+        n_tensors, n_kv = read("<QQ")
+        for _ in range(n_kv):
+            skip_string()
+            skip_value(read("<I")[0])
+        types = {}
+        for _ in range(n_tensors):
+            (n,) = read("<Q")
+            name = f.read(n).decode("utf-8", "replace")
+            (dims,) = read("<I")
+            f.seek(8 * dims, 1)
+            kind, _offset = read("<IQ")
+            types[name] = kind
+        return types
+
+
 def read_gguf(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     """Tensors and metadata (plain Python values) of a GGUF file, or a ConvertError naming it."""
     if not path.is_file():
         raise ConvertError(f"{path}: no such GGUF file")
     if not is_gguf(path):
         raise ConvertError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+    for name, kind in tensor_types(path).items():
+        if kind not in GGUF_TYPES:
+            label = _OTHER_TYPES.get(kind, f"unknown type {kind}")
+            raise ConvertError(
+                f"{path}: tensor '{name}' is stored as {label}, which MLX cannot read; supported: "
+                + ", ".join(GGUF_TYPES.values())
+                + " (pick another GGUF variant, e.g. Q4_K_M/Q8_0, or the Hugging Face repo)"
+            )
     try:
         tensors, raw = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:

@@ -213,10 +213,15 @@ def write_blocks_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], me
     """A GGUF v3 file; tensors map name -> (array, "f32" | "q8_0" | "q4_0" | "q4_1")."""
     infos, blobs, offset = b"", [], 0
     for name, (a, kind) in tensors.items():
-        raw = a.astype(np.float32).tobytes() if kind == "f32" else _quantize(a, kind)[0]
+        if isinstance(kind, tuple):  # ("raw", GGUF type id, byte count): zeros of any type
+            raw, kind = bytes(kind[2]), kind[1]
+        elif kind == "f32":
+            raw = a.astype(np.float32).tobytes()
+        else:
+            raw = _quantize(a, kind)[0]
         dims = struct.pack(f"<{a.ndim}Q", *a.shape[::-1])
         infos += _string(name) + struct.pack("<I", a.ndim) + dims
-        infos += struct.pack("<IQ", TYPES[kind], offset)
+        infos += struct.pack("<IQ", TYPES.get(kind, kind), offset)
         pad = (-len(raw)) % 32
         blobs.append(raw + b"\0" * pad)
         offset += len(raw) + pad

@@ -222,3 +222,16 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     unscaled = {k: v for k, v in config.items() if k != "rope_scaling"}
     (path / "config.json").write_text(json.dumps(unscaled))
     assert not np.allclose(_logits(load_model(path)[0]), _logits(load_model(src)[0]), atol=1e-5)
+
+
+@pytest.mark.parametrize("type_id,label", [(6, "Q5_0"), (13, "Q5_K"), (99, "unknown type 99")])
+def test_tensor_types_mlx_cannot_read_are_named(tmp_path, type_id, label):
+    path = tmp_path / "odd.gguf"
+    tensors = {
+        "token_embd.weight": (np.zeros((4, 32), np.float32), "f32"),
+        "blk.0.attn_q.weight": (np.zeros((32, 32), np.float32), ("raw", type_id, 32 * 22)),
+    }
+    gguf_helpers.write_blocks_gguf(path, tensors, {"general.architecture": "llama"})
+    with pytest.raises(ConvertError, match=f"tensor 'blk.0.attn_q.weight' is stored as {label}"):
+        convert(str(path), output="odd")
+    assert _store_listing() == []
