@@ -70,6 +70,8 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+# GGUF general.architecture -> Hugging Face architecture class (model_type is the same name).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # GGUF tensor types -> names; MLX reads these (the K-quants and BF16 come back as float16).
 GGUF_TYPES = {
     0: "F32",
@@ -233,12 +235,13 @@ def _llama3_scaling(freqs: mx.array, base: float, dim: int, path: Path) -> dict:
 
 
 def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
-    """A Hugging Face config.json for the GGUF's architecture (llama family)."""
+    """A Hugging Face config.json for the GGUF's architecture (llama family, qwen2)."""
     arch = _meta(meta, "general.architecture", path)
-    if arch != "llama":
+    if arch not in ARCHITECTURES:
         raise ConvertError(
             f"{path}: GGUF architecture '{arch}' is not supported (only 'llama', which also covers "
-            "Mistral/SmolLM/TinyLlama GGUFs); convert the model from its Hugging Face repo instead"
+            "Mistral/SmolLM/TinyLlama GGUFs, and 'qwen2'); convert the model from its Hugging Face "
+            "repo instead"
         )
     p = f"{arch}."
     hidden = int(_meta(meta, p + "embedding_length", path))
@@ -249,8 +252,8 @@ def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
     if "token_embd.weight" not in tensors:
         raise ConvertError(f"{path}: GGUF has no token_embd.weight tensor")
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
         "hidden_size": hidden,
         "num_hidden_layers": int(_meta(meta, p + "block_count", path)),
         "intermediate_size": int(_meta(meta, p + "feed_forward_length", path)),
@@ -262,9 +265,9 @@ def model_config(tensors: dict[str, mx.array], meta: dict, path: Path) -> dict:
         "max_position_embeddings": int(_meta(meta, p + "context_length", path, 4096)),
         "vocab_size": int(tensors["token_embd.weight"].shape[0]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": False,
-        "mlp_bias": False,
     }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
     if "rope_freqs.weight" in tensors:
         config["rope_scaling"] = _llama3_scaling(
             tensors["rope_freqs.weight"], config["rope_theta"], config["head_dim"], path
@@ -291,11 +294,13 @@ def hf_weights(tensors: dict[str, mx.array], config: dict, path: Path) -> tuple[
         if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
             continue
         hf = _hf_name(name)
+        arch = config["model_type"]
         if hf is None:
-            raise ConvertError(f"{path}: unexpected tensor '{name}' for architecture llama")
-        if ".self_attn.q_proj." in hf:
+            raise ConvertError(f"{path}: unexpected tensor '{name}' for architecture {arch}")
+        # llama.cpp permutes Q/K rows for llama only (its Qwen2 converter leaves them as they are).
+        if arch == "llama" and ".self_attn.q_proj." in hf:
             value = _undo_rope_permute(value, config["num_attention_heads"])
-        elif ".self_attn.k_proj." in hf:
+        elif arch == "llama" and ".self_attn.k_proj." in hf:
             value = _undo_rope_permute(value, config["num_key_value_heads"])
         weights[hf] = value
     # Packed GGUF blocks are MLX affine quantization in 32-weight groups; record each layer's bits.

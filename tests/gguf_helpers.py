@@ -126,18 +126,19 @@ def tokenizer_metadata(src: Path, pre: str = "smollm") -> dict:
 
 
 def model_metadata(config: dict) -> dict:
+    a = config["model_type"]
     return {
-        "general.architecture": "llama",
+        "general.architecture": a,
         "general.name": "tiny",
-        "llama.context_length": config["max_position_embeddings"],
-        "llama.embedding_length": config["hidden_size"],
-        "llama.block_count": config["num_hidden_layers"],
-        "llama.feed_forward_length": config["intermediate_size"],
-        "llama.attention.head_count": config["num_attention_heads"],
-        "llama.attention.head_count_kv": config["num_key_value_heads"],
-        "llama.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
-        "llama.rope.freq_base": float(config["rope_theta"]),
-        "llama.rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
+        f"{a}.context_length": config["max_position_embeddings"],
+        f"{a}.embedding_length": config["hidden_size"],
+        f"{a}.block_count": config["num_hidden_layers"],
+        f"{a}.feed_forward_length": config["intermediate_size"],
+        f"{a}.attention.head_count": config["num_attention_heads"],
+        f"{a}.attention.head_count_kv": config["num_key_value_heads"],
+        f"{a}.attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        f"{a}.rope.freq_base": float(config["rope_theta"]),
+        f"{a}.rope.dimension_count": config["hidden_size"] // config["num_attention_heads"],
     }
 
 
@@ -273,9 +274,10 @@ def hf_to_gguf(
     tensors, reference = {}, {}
     for name, w in weights.items():
         g = w
-        if name.endswith("q_proj.weight"):
+        llama = config["model_type"] == "llama"  # llama.cpp permutes Q/K for llama only
+        if llama and name.endswith("q_proj.weight"):
             g = permute(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
+        elif llama and name.endswith("k_proj.weight"):
             g = permute(w, config["num_key_value_heads"])
         t = kind if (w.ndim == 2 and kind.startswith("q")) else ("f32" if w.ndim == 1 else kind)
         tensors[gguf_name(name)] = (g, t)
@@ -313,3 +315,36 @@ def llama3_rope_freqs(config: dict) -> np.ndarray:
     mid = (wavelen >= old / high) & (wavelen <= old / low)
     out[mid] = 1 / ((1 - smooth[mid]) / factor + smooth[mid])
     return out.astype(np.float32)
+
+
+def make_qwen2_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2 (biased Q/K/V projections, tied embeddings) with the BPE tokenizer."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    n = bpe_tokenizer(path)
+    config = {
+        "model_type": "qwen2",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": n,
+        "max_position_embeddings": 256,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    mx.random.seed(seed)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    params = {
+        k: (v * 4 if "embed" in k else v + 0.1 * mx.random.normal(v.shape))
+        for k, v in params.items()
+    }
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    return path

@@ -235,3 +235,17 @@ def test_tensor_types_mlx_cannot_read_are_named(tmp_path, type_id, label):
     with pytest.raises(ConvertError, match=f"tensor 'blk.0.attn_q.weight' is stored as {label}"):
         convert(str(path), output="odd")
     assert _store_listing() == []
+
+
+def test_qwen2_gguf(tmp_path):
+    """Qwen2: Q/K/V biases, no Q/K permutation in llama.cpp's files, and the qwen2 pre-tokenizer."""
+    src = gguf_helpers.make_qwen2_model(tmp_path / "qwen", seed=6)
+    gguf = tmp_path / "qwen.gguf"
+    reference = hf_to_gguf(src, gguf, "q8_0", pre="qwen2")
+    path = convert(str(gguf), output="qwen", q="keep", dtype="float32")
+    model, config = load_model(path)
+    assert config["model_type"] == "qwen2"
+    np.testing.assert_allclose(_logits(model), _reference_logits(src, reference), atol=2e-3)
+    # biases do reach the model: zeroing them changes the logits
+    model.model.layers[0].self_attn.q_proj.bias *= 0
+    assert not np.allclose(_logits(model), _reference_logits(src, reference), atol=2e-3)
