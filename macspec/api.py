@@ -492,13 +492,8 @@ def _stream(
     drafter = pair.make_drafter(adaptive) if speculative else None
     if drafter is not None and adaptive and pair.costs is None:
         pair.costs = calibrate(pair)
-    target = Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False))
-    if pair.group is not None:  # a sharded target: rank 0 leads the other ranks
-        from .distributed import leader_target
-
-        target = leader_target(pair, target.keep_hidden)
     steps = decode(
-        target,
+        _target(pair, drafter),
         drafter,
         ids,
         opts,
@@ -510,11 +505,24 @@ def _stream(
         timing=pair.timing,
         policy=AdaptiveK(num_draft, pair.costs) if drafter and adaptive else FixedK(num_draft),
     )
-    if pair.group is not None:
-        from .distributed import guard
+    return GenerationStream(pair, ids, _guarded(pair, steps), stops, seed)
 
-        steps = guard(pair, steps)  # bounded waits, communication time per round
-    return GenerationStream(pair, ids, steps, stops, seed)
+
+def _target(pair: Pair, drafter: Drafter | None) -> Target:
+    keep_hidden = getattr(drafter, "needs_hidden", False)
+    if pair.group is None:
+        return Target(pair.target, pair.vocab_size, keep_hidden)
+    from .distributed import leader_target  # a sharded target: rank 0 leads the other ranks
+
+    return leader_target(pair, keep_hidden)
+
+
+def _guarded(pair: Pair, steps: Iterator[Round]) -> Iterator[Round]:
+    if pair.group is None:
+        return steps
+    from .distributed import guard  # bounded waits, communication time per round
+
+    return guard(pair, steps)
 
 
 def calibrate(pair: Pair, k: int = 4) -> Costs:
@@ -527,7 +535,7 @@ def calibrate(pair: Pair, k: int = 4) -> Costs:
 
     def run(drafter: Drafter | None, max_tokens: int) -> list[Round]:
         steps = decode(
-            Target(pair.target, pair.vocab_size, getattr(drafter, "needs_hidden", False)),
+            _target(pair, drafter),
             drafter,
             ids[: max(2, min(len(ids), context - max_tokens - 1))],
             SamplingOptions(),
@@ -539,7 +547,7 @@ def calibrate(pair: Pair, k: int = 4) -> Costs:
             timing=pair.timing,
             policy=FixedK(k),
         )
-        return list(steps)
+        return list(_guarded(pair, steps))
 
     plain = median(r.round_time for r in run(None, 6)[1:])
     rounds = [r for r in run(pair.make_drafter(False), 1 + 5 * (k + 1)) if r.num_draft]
