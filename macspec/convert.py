@@ -4,6 +4,7 @@ model in the store, optionally quantized by mlx-lm. Written atomically; never ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -167,14 +168,15 @@ def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, em
         model = dequantize_model(model)
     config["torch_dtype"] = dtype
     if q in ("4", "8"):
-        model, config = quantize_model(
-            model,
-            config,
-            group_size,
-            int(q),
-            mode="affine",
-            quant_predicate=_quant_predicate(model, group_size, embed_8bit),
-        )
+        with contextlib.redirect_stdout(sys.stderr):  # mlx-lm prints its summary to stdout
+            model, config = quantize_model(
+                model,
+                config,
+                group_size,
+                int(q),
+                mode="affine",
+                quant_predicate=_quant_predicate(model, group_size, embed_8bit),
+            )
     return model, config
 
 
