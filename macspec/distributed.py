@@ -53,7 +53,7 @@ def init_group() -> Any | None:
     """The group when this process was started by mlx.launch (or mpirun), else None.
 
     The backend follows from what the launcher set: ring (MLX_HOSTFILE), JACCL (MLX_IBV_DEVICES),
-    MPI (OMPI_* variables)."""
+    MPI (OMPI_* variables), NCCL (NCCL_HOST_IP)."""
     env = os.environ
     if "MLX_IBV_DEVICES" in env or "MLX_JACCL_COORDINATOR" in env:
         backend = "jaccl"
@@ -61,6 +61,8 @@ def init_group() -> Any | None:
         backend = "ring"
     elif "OMPI_COMM_WORLD_SIZE" in env:
         backend = "mpi"
+    elif "NCCL_HOST_IP" in env and "MLX_WORLD_SIZE" in env:
+        backend = "nccl"
     else:
         return None
     try:
