@@ -170,6 +170,10 @@ class Link:
 
     def send(self, op: int, ids: list[int], trim: int = -1, flags: int = 0) -> None:
         """Rank 0: broadcast one operation (a sum where every other rank adds zeros)."""
+        if self.broken:
+            raise DistributedError(
+                "rank 0: an earlier failure left the ranks out of step; restart all of them"
+            )
         t0 = time.perf_counter()
         msg = [op, trim, len(ids), flags] + ids[:INLINE]
         msg += [0] * (HEADER + INLINE - len(msg))
@@ -343,6 +347,11 @@ def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
                     f"rank 0: lost the connection to another rank during a round "
                     f"(a rank exited or its machine went away): {e}"
                 ) from e
+            except BaseException:
+                # Stopped half-way (Ctrl-C, an error): the other ranks may be inside a collective
+                # rank 0 never joins, so no further message is safe.
+                link.broken = True
+                raise
             finally:
                 link.watchdog.disarm()
             yield replace(r, comm_time=link.comm_time - before)

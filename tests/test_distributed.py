@@ -224,3 +224,22 @@ def test_no_group_outside_a_launcher(monkeypatch):
     monkeypatch.delenv("MLX_JACCL_COORDINATOR", raising=False)
     assert distributed.init_group() is None
     assert distributed.is_leader(macspec.Pair(None, None, Path(".")))
+
+
+def test_cli_under_mlx_launch_prints_on_rank_0_only(sharded_dirs):
+    target, draft = sharded_dirs
+    cmd = [mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2))]
+    cmd += ["--", sys.executable, "-m", "macspec", "generate", "--target", str(target)]
+    cmd += ["--draft", str(draft), "--raw-prompt", "--json", "--max-tokens", "24", "--no-adaptive"]
+    proc = subprocess.run(
+        cmd + ["Once upon"],
+        env=env(MACSPEC_NO_BLAS_PRELOAD="1"),
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+    )
+    out = json.loads(proc.stdout)  # exactly one JSON document: rank 1 printed nothing
+    expected = macspec.generate(macspec.load(target), "Once upon", max_tokens=24, speculative=False)
+    assert out["tokens"] == expected.tokens
+    assert out["stats"]["drafted"] > 0
+    assert "Traceback" not in proc.stderr
