@@ -263,6 +263,8 @@ def test_snapshot(chat_dirs, snap_compare):
     async def run_before(pilot):
         await send(app, pilot, "hello there")
         await send(app, pilot, "hi")
+        app.query_one("#prompt").cursor_blink = False  # a blinking cursor differs shot to shot
+        await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
@@ -388,3 +390,17 @@ async def test_a_failing_reply_is_one_message_and_stops_generation(chat_pair, mo
         assert str(error.content) == "unexpected error: ValueError: cannot decode"
         assert str(app.query_one("#status").content) == "stopped after an error"
         assert app.history == [] and app.is_running and not app.busy
+
+
+@aio
+async def test_conversation_follows_the_answer(chat_pair):
+    app = create_app(chat_pair, max_tokens=300, seed=0, **FIXED)
+    async with app.run_test(size=(80, 16)) as pilot:
+        conversation = app.query_one("#conversation")
+        await send(app, pilot, "hi")
+        assert 0 < conversation.max_scroll_y == conversation.scroll_y
+        conversation.scroll_home(animate=False)
+        await pilot.pause()
+        assert conversation.scroll_y == 0
+        await send(app, pilot, "again")  # a new message brings the end back into view
+        assert 0 < conversation.max_scroll_y == conversation.scroll_y

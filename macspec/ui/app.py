@@ -245,7 +245,7 @@ class ChatApp(App):
         return view
 
     def _scroll_end(self) -> None:
-        self.query_one("#conversation", VerticalScroll).scroll_end(animate=False)
+        self.query_one("#conversation", VerticalScroll).anchor()  # to the end, and follow
 
     def _render_reply(self) -> None:
         self._draw(self.reply, self.reply_view)
@@ -359,9 +359,9 @@ class ChatApp(App):
         self._last_redraw = time.monotonic()
         if self.reply is None:
             return
+        # the conversation is anchored: it follows the answer unless the user scrolled up to read
         self._render_reply()
         self._show_stats(self.reply.stats)
-        self._scroll_end()
 
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
