@@ -177,8 +177,9 @@ def test_bad_sources_give_clear_errors(tiny, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConvertError, match="no config.json"):
         convert(str(tmp_path / "empty"))
-    with pytest.raises(ConvertError, match="neither an existing directory"):
-        convert("not a repo id")
+    for bad in ("not a repo id", "../escape/x", "org/../../x", "/abs/missing"):
+        with pytest.raises(ConvertError, match="neither an existing directory"):
+            convert(bad)
     assert _listing() == []
 
 
