@@ -92,7 +92,6 @@ class Stats:
     round_time: float = 0.0
     plain_step_time: float = 0.0
     last_speedup: float | None = None
-    last_emitted: int = 0
     max_num_draft: int = 0
     speculative_rounds: int = 0
     speculative_emitted: int = 0
@@ -109,7 +108,6 @@ class Stats:
         self.accepted_per_round.append(len(event.accepted))
         self.max_num_draft = max(self.max_num_draft, event.num_draft)
         self.emitted += len(event.emitted)
-        self.last_emitted = len(event.emitted)
         self.round_time += event.round_time
         if event.plain_step_time and event.plain_step_time > 0:
             self.plain_step_time = event.plain_step_time
