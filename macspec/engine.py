@@ -8,8 +8,10 @@ exactly as if the target had sampled it alone, at every temperature and sampling
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from statistics import median
 from time import perf_counter
 
 import mlx.core as mx
@@ -40,15 +42,18 @@ class Round:
 
 
 class Timing:
-    """Measured cost of one plain target step, kept across generations of a loaded pair."""
+    """Measured cost of one plain target step, kept across generations of a loaded pair:
+    the median of the latest plain steps, so one slow step (a busy machine) does not swing it."""
 
-    def __init__(self) -> None:
-        self.plain_step: float | None = None
+    def __init__(self, window: int = 16) -> None:
+        self.recent: deque[float] = deque(maxlen=window)
+
+    @property
+    def plain_step(self) -> float | None:
+        return median(self.recent) if self.recent else None
 
     def observe_plain_step(self, seconds: float) -> None:
-        # Exponential average: recent steps matter most (the context grows, the machine warms up).
-        prev = self.plain_step
-        self.plain_step = seconds if prev is None else 0.7 * prev + 0.3 * seconds
+        self.recent.append(seconds)
 
 
 class Target:
