@@ -54,19 +54,26 @@ def main() -> int:
         runs = [macspec.generate(pair, prompt, seed=s, **opts).tokens for s in range(seeds)]
         result["runs"] = runs
     else:
-        # First with adaptive K (its calibration runs the sharded target too), then with the
-        # options given: that run's cache is the one compared, and its stats are reported.
-        rounds = list(macspec.stream_generate(pair, prompt, **{**opts, "adaptive": True}))
-        comm = sum(e.comm_time for e in rounds)
-        r = macspec.generate(pair, prompt, **opts)
+        adaptive_run = opts.pop("adaptive_run", True)
+        # A reader that stops after two rounds (as a chat user can) leaves every rank ready.
+        stream = macspec.stream_generate(pair, prompt, **opts)
+        early = [next(stream).emitted for _ in range(2)]
+        stream.close()
+        # Adaptive K (its calibration runs the sharded target too), then the options given:
+        # that last run's cache is the one compared, and its stats are reported.
+        again = []
+        if adaptive_run:
+            events = macspec.stream_generate(pair, prompt, **{**opts, "adaptive": True})
+            again = [t for e in events for t in e.emitted]
+        stream = macspec.stream_generate(pair, prompt, **opts)
+        rounds = list(stream)
         result.update(
-            tokens=r.tokens,
-            again=[t for e in rounds for t in e.emitted],
-            drafted=r.stats.drafted,
-            accepted=r.stats.accepted,
-            rounds=len(rounds),
-            round_time=sum(e.round_time for e in rounds),
-            comm_time=comm,
+            tokens=[t for e in rounds for t in e.emitted],
+            again=again,
+            early=[t for ids in early for t in ids],
+            drafted=stream.stats().drafted,
+            accepted=stream.stats().accepted,
+            comm_time=sum(e.comm_time for e in rounds),
         )
     link.quit()
     if mode == "caches":
