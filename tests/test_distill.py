@@ -1,0 +1,168 @@
+"""`macspec distill` on a tiny target: a loadable, compatible draft that beats its untrained self,
+reproducible resume, and clear errors for bad inputs."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tinymodels import make_tiny_model
+
+import macspec
+from macspec import distill as d
+from macspec.cli import main
+from macspec.compat import check
+from macspec.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
+from macspec.errors import ModelError, OptionError, PromptError
+
+SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0, context=512)
+    out = d.distill(str(target), str(root / "draft"), vocab=40, lr=1e-2, seed=0, **SMALL_RUN)
+    return target, out
+
+
+def test_distilled_draft_loads_and_passes_the_check(run):
+    target, out = run
+    for name in ("draft.json", "config.json", "model.safetensors", "tokenizer.json", "report.json"):
+        assert (out / name).is_file(), name
+    assert check(target, out).compatible
+    pair = macspec.load(target, out)
+    assert pair.drafter_kind == "eagle"
+    plain = macspec.generate(pair, "Once upon a time", max_tokens=30, speculative=False)
+    spec = macspec.generate(pair, "Once upon a time", max_tokens=30, num_draft=4)
+    assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+    _, vocab_ids, meta = read_draft(out)
+    assert meta["kind"] == "eagle" and vocab_ids.size == 40
+
+
+def test_report_has_the_evaluation(run):
+    report = json.loads((run[1] / "report.json").read_text())
+    for t in ("temperature_0", "temperature_0.7"):
+        chat = report["evaluation"][t]["chat"]
+        assert 0.0 <= chat["acceptance_rate"] <= 1.0
+        assert 1.0 <= chat["mean_accepted_length"] <= 5.0
+    speed = report["evaluation"]["speed_chat_temperature_0"]
+    assert speed["plain"]["tokens_per_second"] > 0 and "speedup" in speed["adaptive_k"]
+    assert 0.0 < report["vocab"]["coverage"] <= 1.0
+    before, after = report["agreement_top1_by_position"].values()
+    assert after[0] > before[0] + 0.2
+
+
+def acceptance(pair, prompts):
+    drafted = accepted = 0
+    for i, prompt in enumerate(prompts):
+        r = macspec.generate(pair, prompt, max_tokens=24, seed=i, adaptive=False)
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+    return accepted / drafted
+
+
+def test_training_raises_acceptance(run, tmp_path):
+    target, out = run
+    trained = macspec.load(target, out)
+    # The same draft before training: the seeded initial weights, the same vocabulary.
+    draft, vocab_ids, meta = read_draft(out)
+    mx.random.seed(meta["seed"])
+    initial = EagleDraft(meta["config"])
+    initial.init_from_features(draft.feature_mean, draft.feature_std)
+    untrained = tmp_path / "untrained"
+    save_draft(untrained, initial, vocab_ids.tolist(), meta["config"])
+    (untrained / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+    before = macspec.load(target, untrained)
+    prompts = d.training_prompts(trained)[:12:3]
+    assert acceptance(trained, prompts) > acceptance(before, prompts) + 0.1
+
+
+def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
+    target, out = run
+    data = d.Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
+    pair = macspec.load(target)
+    parts = TargetParts(pair.target, mx.arange(pair.vocab_size))
+    config = draft_config(pair.target)
+    kw = {"epochs": 2, "batch_rows": 8, "lr": 3e-3, "seed": 5, "progress": False}
+
+    mx.random.seed(0)
+    whole = EagleDraft(config)
+    d.train(whole, parts, data, tmp_path / "a", **kw)
+
+    mx.random.seed(0)
+    part = EagleDraft(config)
+    real_batch, calls = d.Dataset.batch, []
+
+    def interrupted(self, rows):
+        calls.append(1)
+        if len(calls) == 7:
+            raise KeyboardInterrupt
+        return real_batch(self, rows)
+
+    monkeypatch.setattr(d.Dataset, "batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        d.train(part, parts, data, tmp_path / "b", checkpoint_every=2, **kw)
+    monkeypatch.setattr(d.Dataset, "batch", real_batch)
+    assert json.loads((tmp_path / "b" / "checkpoint.json").read_text())["step"] == 6
+    mx.random.seed(1)
+    resumed = EagleDraft(config)  # other initial weights: the checkpoint must replace them
+    d.train(resumed, parts, data, tmp_path / "b", resume=True, checkpoint_every=2, **kw)
+    for (name, a), (_, b) in zip(
+        tree_flatten(whole.parameters()), tree_flatten(resumed.parameters()), strict=True
+    ):
+        assert np.allclose(np.array(a), np.array(b), atol=1e-5), name
+
+
+def test_resumed_distill_reuses_data_and_checkpoint(run):
+    target, out = run
+    shards = sorted((out.parent / f".distill-{out.name}" / "data").glob("shard-*"))
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    weights = mx.load(str(out / "model.safetensors"))
+    again = d.distill(
+        str(target), str(out), vocab=40, lr=1e-2, seed=0, resume=True, force=True, **SMALL_RUN
+    )
+    assert [s.stat().st_mtime_ns for s in shards] == stamps
+    for name, value in mx.load(str(again / "model.safetensors")).items():
+        assert mx.array_equal(value, weights[name]).item(), name
+
+
+def test_sampled_data_is_seeded(tmp_path, run):
+    pair = macspec.load(run[0])
+    prompts = d.training_prompts(pair)[:3]
+    for name in ("a", "b"):
+        d.generate_data(
+            pair, prompts, tmp_path / name, tokens=60, seed=3, rows=4, max_new=8, progress=False
+        )
+    a, b = (mx.load(str(tmp_path / n / "shard-00000.safetensors")) for n in ("a", "b"))
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    # Every stored hidden state is the target's own at that position (left padding is exact).
+    row = 1
+    s, e = a["starts"][row].item(), a["ends"][row].item()
+    ids = a["tokens"][row, s:e]
+    h = pair.target.model(ids[None])[0]
+    assert mx.allclose(h, a["hidden"][row, s:e].astype(mx.float32), atol=2e-2).item()
+
+
+def test_bad_inputs_give_clear_errors(run, tmp_path, capsys):
+    target, _ = run
+    with pytest.raises(ModelError):
+        d.distill(str(tmp_path / "missing"), str(tmp_path / "o1"), **SMALL_RUN)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(PromptError, match="no prompts"):
+        d.distill(str(target), str(tmp_path / "o2"), prompts=str(empty), **SMALL_RUN)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OptionError, match="cannot write"):
+        d.distill(str(target), str(blocker / "draft"), **SMALL_RUN)
+    with pytest.raises(OptionError, match="only 'eagle'"):
+        d.distill(str(target), str(tmp_path / "o3"), kind="small", **SMALL_RUN)
+    with pytest.raises(OptionError, match="tokens"):
+        d.distill(str(target), str(tmp_path / "o4"), tokens=0)
+    (tmp_path / "o5").mkdir()
+    with pytest.raises(OptionError, match="already exists"):
+        d.distill(str(target), str(tmp_path / "o5"), **SMALL_RUN)
+    code = main(["distill", str(tmp_path / "missing"), "-o", str(tmp_path / "o6")])
+    assert code == 1
+    assert "macspec: error:" in capsys.readouterr().err

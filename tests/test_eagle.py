@@ -1,0 +1,168 @@
+"""The EAGLE-style drafter: loading, cache bookkeeping against a fresh recomputation, greedy
+equality and distributional exactness through the engine."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+from exactness import chi_square, exact_joint, sample_prefixes
+from tinymodels import make_tiny_model
+
+import macspec
+from macspec.compat import check
+from macspec.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config, save_draft
+from macspec.engine import hidden_states
+from macspec.errors import ModelError
+
+
+def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3):
+    """An untrained eagle draft that guesses "the next token repeats the last one": fc passes the
+    (normed) feature through and the layer adds only small random terms. Tiny random targets
+    repeat themselves often enough that such a draft is accepted part of the time."""
+    target = macspec.load(target_dir).target
+    config = draft_config(target)
+    mx.random.seed(seed)
+    draft = EagleDraft(config)
+    h = config["hidden_size"]
+    identity = mx.concatenate([mx.zeros((h, h)), mx.eye(h)], axis=1)
+    draft.fc.weight = identity + noise * draft.fc.weight
+    draft.fc.bias = mx.zeros((h,))
+    draft.layer.self_attn.o_proj.weight = noise * draft.layer.self_attn.o_proj.weight
+    draft.layer.mlp.down_proj.weight = noise * draft.layer.mlp.down_proj.weight
+    ids = vocab_ids if vocab_ids is not None else list(range(config["vocab_size"]))
+    save_draft(path, draft, ids, config, {"target": "tiny"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    # Drop some ids from the draft's vocabulary: q = 0 there, which the rule must handle.
+    vocab = [i for i in range(66) if i % 5 != 4]
+    draft = make_draft(root / "draft", target, vocab_ids=vocab)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(eagle_dirs):
+    return macspec.load(*eagle_dirs)
+
+
+def test_load_makes_an_eagle_drafter(eagle_pair, eagle_dirs):
+    assert eagle_pair.drafter_kind == "eagle"
+    drafter = eagle_pair.make_drafter(False)
+    assert isinstance(drafter, EagleDrafter) and drafter.needs_hidden
+    assert check(*eagle_dirs).compatible
+
+
+def test_greedy_speculative_equals_target_only(eagle_pair):
+    rejected = accepted = 0
+    for prompt in ["Once upon", "The cat sat on the", [1, 20, 30, 40, 5]]:
+        plain = macspec.generate(eagle_pair, prompt, max_tokens=40, speculative=False)
+        for k in (1, 2, 4, 6):
+            for adaptive in (False, True):
+                spec = macspec.generate(
+                    eagle_pair, prompt, max_tokens=40, num_draft=k, adaptive=adaptive
+                )
+                assert spec.tokens == plain.tokens, f"{prompt!r} K={k} adaptive={adaptive}"
+                rejected += spec.stats.drafted - spec.stats.accepted
+                accepted += spec.stats.accepted
+    assert rejected > 0 and accepted > 0  # both rewinding and keeping were exercised
+
+
+def reference_logits(pair, parts, draft, context):
+    """What the draft predicts after `context`, computed from scratch with real features."""
+    feats = hidden_states(pair.target, mx.array(context[:-1]), None)
+    embeds = parts.embed(mx.array(context[1:]))
+    return parts.logits(draft(feats[None], embeds[None])[0, -1:])
+
+
+def test_cache_after_rounds_matches_fresh_recomputation(eagle_pair):
+    """Drive the drafter through plain steps, partial and full acceptances and an abort; its
+    first proposal each time must equal a from-scratch run of the draft over the context."""
+    pair = eagle_pair
+    drafter = pair.make_drafter(False)
+    draft, parts = drafter.draft, drafter.parts
+    soft = lambda logits, extra, i: mx.softmax(logits, axis=-1)  # noqa: E731
+    context = [1, 10, 11, 12, 13, 14]
+
+    def target_hidden(ids):
+        return hidden_states(pair.target, mx.array(ids), None)
+
+    drafter.start(context, target_hidden(context[:-1]))
+    # A plain step: the target read context[-1] and produced 20.
+    drafter.commit(0, 0, [20], target_hidden(context)[-1:])
+    context.append(20)
+    plan = [(4, 2), (3, 3), (2, 0), ("abort", 3), (4, 4), (1, 1)]
+    key = mx.random.key(0)
+    for step in plan:
+        key, sub = mx.random.split(key)
+        if step[0] == "abort":
+            drafter.propose(step[1], soft, sub)
+            drafter.abort(step[1])
+            continue
+        k, n = step
+        proposal = drafter.propose(k, soft, sub)
+        q0 = proposal.probs[0]
+        ref = mx.softmax(_full(reference_logits(pair, parts, draft, context), parts, pair), -1)
+        assert mx.allclose(q0, ref[0], atol=1e-4).item(), step
+        drafts = proposal.tokens.tolist()
+        emitted = drafts[:n] + [30 + n]
+        kept = context[-1:] + drafts[:n]
+        hid = target_hidden(context + drafts[:n])[-(n + 1) :]
+        assert len(kept) == hid.shape[0]
+        drafter.commit(k, n, emitted, hid)
+        context += emitted
+
+
+def _full(small, parts, pair):
+    full = mx.full((1, pair.vocab_size), -mx.inf)
+    return mx.put_along_axis(full, parts.vocab_ids[None], small, axis=-1)
+
+
+OPTION_SETS = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.3}]
+
+
+@pytest.fixture(scope="module")
+def small_eagle_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_eagle")
+    kw = {"chars": "abcd", "scale": 8.0, "vocab_rows": 9, "tie": False}
+    target = make_tiny_model(root / "target", seed=3, **kw)
+    draft = make_draft(root / "draft", target, seed=2, vocab_ids=[0, 1, 3, 4, 5], noise=1.0)
+    pair = macspec.load(target, draft)
+    pair.eos_token_ids = frozenset()  # every sequence has the full length
+    return pair
+
+
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(map(str, o.values())))
+def test_speculative_distribution_matches_target(small_eagle_pair, options):
+    prompt = [3, 4, 5, 3]
+    expected = exact_joint(small_eagle_pair, prompt, 4, **options)
+    counts = sample_prefixes(small_eagle_pair, prompt, 4, 800, num_draft=2, **options)
+    assert chi_square(expected, counts) > 1e-3
+
+
+def test_bad_draft_directories(eagle_dirs, tmp_path):
+    target, draft = eagle_dirs
+    broken = shutil.copytree(draft, tmp_path / "broken")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ModelError, match="cannot read the eagle draft"):
+        macspec.load(target, broken)
+    unknown = shutil.copytree(draft, tmp_path / "unknown")
+    (unknown / "draft.json").write_text(json.dumps({"kind": "medusa"}))
+    with pytest.raises(ModelError, match="unknown draft kind"):
+        macspec.load(target, unknown)
+    other = make_tiny_model(tmp_path / "other", seed=0, hidden=32)
+    with pytest.raises(ModelError, match="hidden size"):
+        macspec.load(other, draft)
+
+
+def test_target_parts_head_matches_the_target(eagle_pair):
+    parts = TargetParts(eagle_pair.target, mx.array([3, 7, 9], dtype=mx.int32))
+    h = hidden_states(eagle_pair.target, mx.array([1, 5, 6]), None)
+    full = eagle_pair.target.lm_head(h)
+    assert mx.allclose(parts.logits(h), full[:, mx.array([3, 7, 9])], atol=1e-4).item()
