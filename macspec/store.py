@@ -102,6 +102,13 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         raise ModelError(str(e)) from None
     if is_model_dir(root / text):
         return root / text
+    for spec in _catalog_models():
+        if spec.get("name") == text:
+            q = spec.get("q", "none")
+            raise ModelError(
+                f"{text!r} is not in the store ({root}) yet; fetch it with: macspec convert "
+                f"{spec['source']} -q {q} -o {text}   (or `macspec chat --pair` with its pair)"
+            )
     raise ModelError(
         f"no model named {text!r} in the store ({root}); list the store with `macspec models`, "
         "or create it with `macspec convert <hf-repo | dir | file.gguf> -o " + text + "`"
@@ -328,6 +335,14 @@ def load_catalog(path: Path = CATALOG) -> list[dict]:
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read the pair catalog {path}: {e}") from e
     return list(data.get("pairs", []))
+
+
+def _catalog_models() -> list[dict]:
+    try:
+        pairs = load_catalog()
+    except ModelError:
+        return []
+    return [p[k] for p in pairs for k in ("target", "draft") if isinstance(p.get(k), dict)]
 
 
 def memory_bytes() -> int | None:

@@ -72,6 +72,10 @@ def test_resolve_paths_and_names(tmp_path):
         resolve_model(str(gguf))
     with pytest.raises(ModelError, match="macspec convert org/model"):
         resolve_model("org/model")
+    with pytest.raises(ModelError) as e:  # a catalog model says how to get exactly it
+        resolve_model("Qwen2.5-7B-Instruct-4bit")
+    fetch = "macspec convert Qwen/Qwen2.5-7B-Instruct -q 4 -o Qwen2.5-7B-Instruct-4bit"
+    assert fetch in str(e.value)
     # hidden (temporary) entries are never resolved or listed
     make_tiny_model(store_root() / ".tmp-1-half")
     with pytest.raises(ModelError):
