@@ -860,11 +860,25 @@ def distill(
         "parameters": sum(v.size for _, v in _params(draft)),
         "evaluation": evaluate(pair, max_tokens=eval_tokens, seed=seed, progress=progress),
     }
+    report = {"summary": summarise(report), **report}
     (staged / "report.json").write_text(json.dumps(report, indent=1))
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(staged, out)
     _say(f"wrote {out}")
+    return out
+
+
+def summarise(report: dict) -> dict:
+    """The headline figures (what `macspec models` shows): chat prompts, K=4."""
+    ev = report["evaluation"]
+    speed = ev["speed_chat_temperature_0"]
+    out = {}
+    for t in ("0", "0.7"):
+        chat = ev[f"temperature_{t}"].get("chat") or ev[f"temperature_{t}"]["all"]
+        out[f"acceptance_rate_t{t}"] = chat["acceptance_rate"]
+        out[f"mean_accepted_length_t{t}"] = chat["mean_accepted_length"]
+    out["speedup_t0"] = speed["adaptive_k"]["speedup"]
     return out
 
 

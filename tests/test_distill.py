@@ -15,6 +15,7 @@ from macspec.cli import main
 from macspec.compat import check
 from macspec.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
 from macspec.errors import ModelError, OptionError, PromptError
+from macspec.store import _acceptance
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 
@@ -50,6 +51,11 @@ def test_report_has_the_evaluation(run):
     speed = report["evaluation"]["speed_chat_temperature_0"]
     assert speed["plain"]["tokens_per_second"] > 0 and "speedup" in speed["adaptive_k"]
     assert 0.0 < report["vocab"]["coverage"] <= 1.0
+    assert (
+        report["summary"]["acceptance_rate_t0"]
+        == report["evaluation"]["temperature_0"]["chat"]["acceptance_rate"]
+    )
+    assert "acceptance_rate_t0" in _acceptance(report)  # what `macspec models` shows
     before, after = report["agreement_top1_by_position"].values()
     assert after[0] > before[0] + 0.2
 
