@@ -148,8 +148,9 @@ class Link:
         self.timeout = timeout or (float(env) if env else ROUND_TIMEOUT)
         self.watchdog = Watchdog(self.rank, self.size)
         self.comm_time = 0.0  # seconds rank 0 spent in messages and collectives, for the bench
-        # Also time the all-reduces inside the forward pass (MACSPEC_COMM_TIMING=0: messages only).
-        self.time_collectives = os.environ.get("MACSPEC_COMM_TIMING", "1") != "0"
+        # Also time the all-reduces inside the forward pass: one sync per layer, so only when
+        # asked (MACSPEC_COMM_TIMING=1 or time_communication(); the bench wants it).
+        self.time_collectives = os.environ.get("MACSPEC_COMM_TIMING", "0") == "1"
         self.broken = False
         self.quit_sent = False
         self.target: Target | None = None  # this rank's target of the latest generation
@@ -217,6 +218,13 @@ _LINKS: dict[int, Link] = {}
 
 def link_of(pair: Any) -> Link:
     return _LINKS[id(pair.group)]
+
+
+def time_communication(pair: Any, on: bool = True) -> None:
+    """Make RoundEvent.comm_time include the model's all-reduces, not only rank 0's messages
+    (costs one sync per layer: for benchmarks). No-op without a group."""
+    if getattr(pair, "group", None) is not None:
+        link_of(pair).time_collectives = on
 
 
 # ---------------------------------------------------------------- loading

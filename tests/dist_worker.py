@@ -55,6 +55,7 @@ def main() -> int:
         result["runs"] = runs
     else:
         adaptive_run = opts.pop("adaptive_run", True)
+        distributed.time_communication(pair, opts.pop("time_comm", False))
         # A reader that stops after two rounds (as a chat user can) leaves every rank ready.
         stream = macspec.stream_generate(pair, prompt, **opts)
         early = [next(stream).emitted for _ in range(2)]

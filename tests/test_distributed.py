@@ -107,7 +107,9 @@ def greedy_run(request, sharded_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"greedy{request.param}")
     # The adaptive-K run (with its calibration) on 2 ranks only: 3 processes on this machine's
     # shared cores are slow.
-    opts = {**GREEDY, "adaptive_run": request.param == 2}
+    # On 3 ranks, rank 0 also times the all-reduces inside the forward pass (it evaluates them
+    # one by one): the ranks must stay in step all the same.
+    opts = {**GREEDY, "adaptive_run": request.param == 2, "time_comm": request.param == 3}
     result = launch(request.param, *sharded_dirs, "caches", out, opts)
     return request.param, out, result
 
@@ -258,6 +260,7 @@ def test_leader_path_on_a_one_rank_group(tiny_dirs):
     led.group = mx.distributed.init()
     assert led.group.size() == 1
     link = distributed._LINKS.setdefault(id(led.group), distributed.Link(led.group))
+    distributed.time_communication(led)
     prompt = "Once upon a time, in a land far away, there lived a" * 2  # > INLINE ids
     opts = {"max_tokens": 30, "num_draft": 3, "adaptive": False, "temperature": 0.9, "seed": 4}
     events = list(macspec.stream_generate(led, prompt, **opts))
