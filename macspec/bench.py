@@ -324,7 +324,8 @@ def format_table(result: dict[str, Any]) -> str:
     rows, meta = result["summary"], result["meta"]
     kinds = [k for k in meta["kinds"]]
     out = [
-        f"target {meta['target']}  draft {meta['draft']}  ({meta['blas']}, "
+        f"target {meta['target']}  draft {meta['draft']}  "
+        f"(adaptive uses drafter {meta.get('default_drafter')}; {meta['blas']}, "
         f"{meta['bandwidth_gbs']:.1f} GB/s copy bandwidth, target weights "
         f"{meta['target_weight_bytes'] / 1e6:.0f} MB)"
     ]

@@ -99,7 +99,8 @@ def render(result: dict, charts: list[str]) -> str:
         f"{meta['backend']}, BLAS {meta['blas']}, mlx {meta['mlx']}; memory bandwidth "
         f"{meta['bandwidth_gbs']:.1f} GB/s (copy). Target `{Path(meta['target']).name}` "
         f"({meta['target_weight_bytes'] / 1e6:.0f} MB of weights), draft "
-        f"`{Path(meta['draft']).name if meta['draft'] else 'none'}`; {len(meta['prompts'])} "
+        f"`{Path(meta['draft']).name if meta['draft'] else 'none'}` (macspec adaptive drafts with "
+        f"`{meta.get('default_drafter')}`); {len(meta['prompts'])} "
         f"prompts ({', '.join(kinds)}), {meta['max_tokens']} tokens max, {meta['repeats']} "
         f"repeats, seed {meta['seed']}.",
     ]
