@@ -275,17 +275,16 @@ def generate_data(
     rows: int = 32,
     max_new: int = 128,
     progress: bool = True,
-) -> int:
+) -> tuple[int, int]:
     """Write shards until they hold `tokens` generated tokens; existing shards are kept (resume).
+    Returns (generated tokens, shards used).
 
     Shard j is job j of a seeded plan with its own key, so a resumed run makes the same data."""
     data_dir.mkdir(parents=True, exist_ok=True)
     jobs = data_jobs(prompts, seed, rows)
     eos = set(pair.eos_token_ids)
-    have, made, start = 0, 0, time.perf_counter()
-    for j in range(10**9):
-        if have >= tokens:
-            break
+    have, made, start, j = 0, 0, time.perf_counter(), 0
+    while have < tokens:
         shard = data_dir / f"shard-{j:05d}.safetensors"
         if shard.is_file():
             meta = _shard_meta(shard)
@@ -307,13 +306,14 @@ def generate_data(
             _save_atomic(shard, arrays, {k: str(v) for k, v in meta.items()})
             made += meta["generated"]
         have += meta["generated"]
+        j += 1
         if progress:
             rate = made / max(time.perf_counter() - start, 1e-9)
             eta = (tokens - have) / rate if rate > 0 else float("nan")
             _bar("data", min(have, tokens), tokens, f"{rate:.0f} tok/s  ETA {_hms(eta)}")
     if progress:
         print(file=sys.stderr)
-    return have
+    return have, j
 
 
 def _shard_meta(path: Path) -> dict:
@@ -346,13 +346,15 @@ def _bar(label: str, done: float, total: float, extra: str) -> None:
 class Dataset:
     """Rows of (ids, features) from the shards, with the first position whose loss counts."""
 
-    def __init__(self, data_dir: Path, max_new: int):
+    def __init__(self, data_dir: Path, max_new: int, shards: int | None = None):
         self.ids: list[np.ndarray] = []
         self.feats: list[np.ndarray] = []
         self.first: list[int] = []  # draft positions before this predict prompt ids: no loss
         self.prompt: list[int] = []  # which prompt each row continues (numbered by first sight)
         seen: dict[bytes, int] = {}
-        for shard in sorted(data_dir.glob("shard-[0-9][0-9][0-9][0-9][0-9].safetensors")):
+        # Only the shards this run counted: a longer earlier run may have left more.
+        found = sorted(data_dir.glob("shard-[0-9][0-9][0-9][0-9][0-9].safetensors"))
+        for shard in found[:shards]:
             arrays = mx.load(str(shard))
             toks = np.array(arrays["tokens"])
             hid = np.array(arrays["hidden"])  # float16
@@ -827,11 +829,11 @@ def distill(
 
     t0 = time.perf_counter()
     _say(f"sampling {tokens} tokens from {pair.target_path.name} into {work / 'data'}")
-    generate_data(
+    _, shards = generate_data(
         pair, fits, work / "data", tokens=tokens, seed=seed, max_new=max_new, progress=progress
     )
     data_seconds = time.perf_counter() - t0
-    data = Dataset(work / "data", max_new)
+    data = Dataset(work / "data", max_new, shards)
     vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
     train_rows, held = data.split()
     config = draft_config(pair.target)

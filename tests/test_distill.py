@@ -142,6 +142,14 @@ def test_sampled_data_is_seeded(tmp_path, run):
         )
     a, b = (mx.load(str(tmp_path / n / "shard-00000.safetensors")) for n in ("a", "b"))
     assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    written = len(list((tmp_path / "a").glob("shard-*")))
+    assert written >= 2
+    # A smaller budget later reuses the first shards only, and training reads only those.
+    have, shards = d.generate_data(
+        pair, prompts, tmp_path / "a", tokens=1, seed=3, rows=4, max_new=8, progress=False
+    )
+    assert shards == 1 and len(d.Dataset(tmp_path / "a", 8, shards)) == 4
+    assert len(list((tmp_path / "a").glob("shard-*"))) == written
     # Every stored hidden state is the target's own at that position (left padding is exact).
     row = 1
     s, e = a["starts"][row].item(), a["ends"][row].item()
