@@ -270,7 +270,12 @@ def load(
         pair.draft_path = _resolve(draft)
         pair.drafter_kind = kind
         module = importlib.import_module(FEATURE_DRAFTS[kind])
-        pair.drafter_factory = module.load_draft(pair.draft_path, pair)
+        make = module.load_draft(pair.draft_path, pair)
+        if drafter != "model":  # as for draft models: an n-gram copy first where it helps
+            pair.drafter_kind = f"{kind}+ngram"
+            pair.drafter_factory = lambda adaptive: HybridDrafter(make(adaptive), NgramDrafter())
+        else:
+            pair.drafter_factory = make
     elif draft is not None:
         pair.draft_path = _resolve(draft)
         pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)

@@ -181,7 +181,7 @@ class HybridDrafter:
 
     name = "model+ngram"
 
-    def __init__(self, model: ModelDrafter, ngram: NgramDrafter, min_match: int = 3):
+    def __init__(self, model: Drafter, ngram: NgramDrafter, min_match: int = 3):
         self.model, self.ngram, self.min_match = model, ngram, min_match
         self.needs_hidden = model.needs_hidden
         self.used: Drafter = model

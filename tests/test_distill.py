@@ -34,7 +34,7 @@ def test_distilled_draft_loads_and_passes_the_check(run):
         assert (out / name).is_file(), name
     assert check(target, out).compatible
     pair = macspec.load(target, out)
-    assert pair.drafter_kind == "eagle"
+    assert pair.drafter_kind == "eagle+ngram"
     plain = macspec.generate(pair, "Once upon a time", max_tokens=30, speculative=False)
     spec = macspec.generate(pair, "Once upon a time", max_tokens=30, num_draft=4)
     assert spec.tokens == plain.tokens and spec.stats.drafted > 0

@@ -52,9 +52,17 @@ def eagle_pair(eagle_dirs):
     return macspec.load(*eagle_dirs)
 
 
-def test_load_makes_an_eagle_drafter(eagle_pair, eagle_dirs):
-    assert eagle_pair.drafter_kind == "eagle"
-    drafter = eagle_pair.make_drafter(False)
+@pytest.fixture(scope="module")
+def eagle_only(eagle_dirs):
+    """The eagle drafter alone, without the n-gram lookup tried first."""
+    return macspec.load(*eagle_dirs, drafter="model")
+
+
+def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
+    assert eagle_pair.drafter_kind == "eagle+ngram"
+    assert eagle_pair.make_drafter(False).needs_hidden
+    assert eagle_only.drafter_kind == "eagle"
+    drafter = eagle_only.make_drafter(False)
     assert isinstance(drafter, EagleDrafter) and drafter.needs_hidden
     assert check(*eagle_dirs).compatible
 
@@ -81,10 +89,10 @@ def reference_logits(pair, parts, draft, context):
     return parts.logits(draft(feats[None], embeds[None])[0, -1:])
 
 
-def test_cache_after_rounds_matches_fresh_recomputation(eagle_pair):
+def test_cache_after_rounds_matches_fresh_recomputation(eagle_only):
     """Drive the drafter through plain steps, partial and full acceptances and an abort; its
     first proposal each time must equal a from-scratch run of the draft over the context."""
-    pair = eagle_pair
+    pair = eagle_only
     drafter = pair.make_drafter(False)
     draft, parts = drafter.draft, drafter.parts
     soft = lambda logits, extra, i: mx.softmax(logits, axis=-1)  # noqa: E731
