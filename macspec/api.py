@@ -239,10 +239,12 @@ def load(
         from .default import default_draft, default_target
 
         target_path = default_target()
-        if draft is None and drafter is None:
+        if draft is None and drafter != "ngram":
             draft = default_draft()
-            # No distilled default draft yet: draft-free (n-gram) drafting still helps.
-            drafter = "ngram" if draft is None else None
+            if draft is None and drafter is None:
+                drafter = "ngram"  # no distilled default draft: draft-free drafting still helps
+            elif draft is None:
+                raise OptionError("drafter='model': the default pair has no draft model")
     else:
         target_path = _resolve(target)
     if group is not None and group.size() == 1:
