@@ -161,9 +161,24 @@ async def test_rejected_drafts_toggle_and_fade(chat_pair):
     assert reply.expire(now=0.6) and not reply.pending_rejected()
 
 
+def paced_after(rounds: int, app):
+    """stream_generate that, after `rounds` rounds, waits (at most 10 s) for the app's stop flag:
+    on a fast machine a tiny model would otherwise finish before Esc is pressed."""
+    real = macspec.stream_generate
+
+    def stream(*args, **kwargs):
+        for i, event in enumerate(real(*args, **kwargs)):
+            if i == rounds:  # once: if Esc did nothing, generation runs on to max_tokens
+                app._stop.wait(10)
+            yield event
+
+    return stream
+
+
 @aio
-async def test_escape_stops_at_once_and_the_next_message_works(chat_pair):
+async def test_escape_stops_at_once_and_the_next_message_works(chat_pair, monkeypatch):
     app = create_app(chat_pair, max_tokens=1500, seed=0)
+    monkeypatch.setattr(macspec, "stream_generate", paced_after(3, app))
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*"hi", "enter")
         for _ in range(3000):  # until a few rounds are on screen (bounded, never a hang)
@@ -179,6 +194,7 @@ async def test_escape_stops_at_once_and_the_next_message_works(chat_pair):
         assert "stopped (Esc)" in str(app.query_one("#status").content)
 
         app.options["max_tokens"] = 30  # keep the second answer short
+        monkeypatch.undo()
         await send(app, pilot, "more")
         history = [
             {"role": "user", "content": "hi"},
