@@ -60,14 +60,6 @@ DRAFT_CONFIDENCE = 0.3
 FEATURE_DRAFTS = {"eagle": "macspec.eagle"}
 
 
-def _model_drafter_factory(pair: Pair, with_ngram: bool) -> Callable[[bool], Drafter]:
-    def make(adaptive: bool) -> Drafter:
-        model = ModelDrafter(pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0)
-        return HybridDrafter(model, NgramDrafter()) if with_ngram else model
-
-    return make
-
-
 @dataclass(frozen=True)
 class RoundEvent:
     """One verification round (or plain step), as streamed to the UI and CLI."""
@@ -262,49 +254,58 @@ def load(
         group=group,
     )
     vocab = len(tokenizer._tokenizer)
+    # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
     pair.vocab_size = min(rows, vocab)
     if drafter == "ngram":
         pair.drafter_kind = "ngram"
         pair.drafter_factory = lambda adaptive: NgramDrafter()
-    elif draft is not None and (kind := _feature_draft_kind(_resolve(draft))):
-        import importlib
-
-        pair.draft_path = _resolve(draft)
-        pair.drafter_kind = kind
-        module = importlib.import_module(FEATURE_DRAFTS[kind])
-        make = module.load_draft(pair.draft_path, pair)
-        if drafter != "model":  # as for draft models: an n-gram copy first where it helps
-            pair.drafter_kind = f"{kind}+ngram"
-            pair.drafter_factory = lambda adaptive: HybridDrafter(make(adaptive), NgramDrafter())
-        else:
-            pair.drafter_factory = make
     elif draft is not None:
         pair.draft_path = _resolve(draft)
-        pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
-        pair.drafter_kind = "model" if drafter == "model" else "model+ngram"
-        draft_rows = _embedding_rows(pair.draft)
-        # The draft must use the target's ids; refuse another tokenizer before generating anything.
-        check_tokenizers(
-            tokenizer,
-            draft_tokenizer,
-            target_rows=rows,
-            draft_rows=draft_rows,
-            target_name=str(target_path),
-            draft_name=str(pair.draft_path),
-        ).raise_for_errors()
-        rows = min(rows, draft_rows)
-        for name, m in (("target", model), ("draft", pair.draft)):
-            if not can_trim_prompt_cache(make_prompt_cache(m)):
-                where = pair.target_path if name == "target" else pair.draft_path
-                raise ModelError(
-                    f"the {name} model ({where})"
-                    " uses a cache that cannot be rewound, so rejected drafts cannot be undone;"
-                    " run it without a draft"
-                )
-        # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
-        pair.vocab_size = min(rows, vocab)
-        pair.drafter_factory = _model_drafter_factory(pair, drafter != "model")
+        kind = _feature_draft_kind(pair.draft_path)
+        if kind is not None:
+            import importlib
+
+            module = importlib.import_module(FEATURE_DRAFTS[kind])
+            make = module.load_draft(pair.draft_path, pair)
+        else:
+            kind, make = "model", _attach_draft_model(pair, rows, vocab)
+        # Every draft tries an n-gram copy from the context first, unless drafter="model".
+        if drafter == "model":
+            pair.drafter_kind, pair.drafter_factory = kind, make
+        else:
+            pair.drafter_kind = f"{kind}+ngram"
+            pair.drafter_factory = lambda adaptive: HybridDrafter(make(adaptive), NgramDrafter())
     return pair
+
+
+def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[bool], Drafter]:
+    """Load an ordinary draft model into `pair` after checking it can draft for the target;
+    returns the factory of its drafter."""
+    pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
+    draft_rows = _embedding_rows(pair.draft)
+    # The draft must use the target's ids; refuse another tokenizer before generating anything.
+    check_tokenizers(
+        pair.tokenizer,
+        draft_tokenizer,
+        target_rows=target_rows,
+        draft_rows=draft_rows,
+        target_name=str(pair.target_path),
+        draft_name=str(pair.draft_path),
+    ).raise_for_errors()
+    for name, m, where in (
+        ("target", pair.target, pair.target_path),
+        ("draft", pair.draft, pair.draft_path),
+    ):
+        if not can_trim_prompt_cache(make_prompt_cache(m)):
+            raise ModelError(
+                f"the {name} model ({where})"
+                " uses a cache that cannot be rewound, so rejected drafts cannot be undone;"
+                " run it without a draft"
+            )
+    pair.vocab_size = min(target_rows, draft_rows, vocab)
+    return lambda adaptive: ModelDrafter(
+        pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0
+    )
 
 
 def _feature_draft_kind(path: Path) -> str | None:
