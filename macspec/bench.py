@@ -437,33 +437,23 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
 # ------------------------------------------------------------------ the benchmark
 
 
-def _floats(value: str | float | Sequence[float], name: str) -> list[float]:
-    items = (
-        value.split(",")
-        if isinstance(value, str)
-        else ([value] if isinstance(value, (int, float)) else list(value))
-    )
+def _numbers(value: Any, name: str, cast: type, minimum: float, example: str) -> list:
+    """A comma-separated string, one number or a sequence, as a list of `cast` >= `minimum`."""
+    kind = "integers" if cast is int else "numbers"
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (int, float)):
+        items = [value]
+    else:
+        items = list(value)
     try:
-        out = [float(x) for x in items]
+        out = [cast(x) for x in items]
+        if any(float(x) != y for x, y in zip(items, out, strict=True)):
+            raise ValueError  # 2.5 is not an integer: refuse rather than truncate
     except ValueError:
-        raise OptionError(f"invalid {name}={value!r}: expected numbers like 0,0.7") from None
-    if not out or any(x < 0 for x in out):
-        raise OptionError(f"invalid {name}={value!r}: expected numbers >= 0")
-    return out
-
-
-def _ints(value: str | int | Sequence[int], name: str) -> list[int]:
-    items = (
-        value.split(",")
-        if isinstance(value, str)
-        else ([value] if isinstance(value, int) else list(value))
-    )
-    try:
-        out = [int(x) for x in items]
-    except ValueError:
-        raise OptionError(f"invalid {name}={value!r}: expected integers like 2,4,6") from None
-    if not out or any(x < 1 for x in out):
-        raise OptionError(f"invalid {name}={value!r}: expected integers >= 1")
+        raise OptionError(f"invalid {name}={value!r}: expected {kind} like {example}") from None
+    if not out or any(x < minimum for x in out):
+        raise OptionError(f"invalid {name}={value!r}: expected {kind} >= {minimum}")
     return out
 
 
@@ -585,8 +575,8 @@ def bench(
 
     from . import backend as be
 
-    temps = _floats(temperature, "temperature")
-    ks = _ints(num_draft, "num_draft")
+    temps = _numbers(temperature, "temperature", float, 0, "0,0.7")
+    ks = _numbers(num_draft, "num_draft", int, 1, "2,4,6")
     method_names = _names(methods, METHODS, "methods")
     if max_tokens < 2 or repeats < 1:
         raise OptionError("max_tokens must be >= 2 and repeats >= 1")
