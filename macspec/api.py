@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -15,7 +16,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .compat import check_tokenizers
-from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from .engine import Round, Target, Timing, decode
 from .errors import MacspecError, ModelError, OptionError, PromptError
 from .policy import AdaptiveK, Costs, FixedK
@@ -380,7 +381,8 @@ def stream_generate(
     """Generate from `prompt`, yielding one RoundEvent per target forward pass.
 
     A string prompt is encoded as-is (no chat template); a list of ids is used exactly.
-    `num_draft` caps K; `adaptive=False` fixes it; `speculative=False` decodes plainly."""
+    `num_draft` caps K (a copied n-gram continuation, which costs no draft time, may run to
+    twice that); `adaptive=False` fixes K; `speculative=False` decodes plainly."""
     opts = SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty)
     _check_positive_int("max_tokens", max_tokens)
     _check_positive_int("num_draft", num_draft)
@@ -511,9 +513,13 @@ def _stream(
         eos_ids=set(pair.eos_token_ids),
         context_length=pair.context_length,
         timing=pair.timing,
-        policy=AdaptiveK(num_draft, pair.costs) if drafter and adaptive else FixedK(num_draft),
+        policy=_policy(num_draft, pair.costs) if drafter and adaptive else FixedK(num_draft),
     )
     return GenerationStream(pair, ids, _guarded(pair, steps), stops, seed)
+
+
+def _policy(num_draft: int, costs: Costs) -> AdaptiveK:
+    return AdaptiveK(num_draft, costs, copy_max=2 * num_draft)
 
 
 def _target(pair: Pair, drafter: Drafter | None) -> Target:
@@ -535,7 +541,8 @@ def _guarded(pair: Pair, steps: Iterator[Round]) -> Iterator[Round]:
 
 def calibrate(pair: Pair, k: int = 4) -> Costs:
     """Measure, on this machine, what a plain step, a draft token and a wider verification cost:
-    a short plain decode and a short fixed-K speculative decode over arbitrary ids."""
+    a short plain decode, a short decode verifying k filler ids per round, and (with a draft
+    model) a short fixed-K speculative decode, all over arbitrary ids."""
     from statistics import median
 
     ids = [(7 * i) % pair.vocab_size for i in range(1, 33)]  # any ids: only the time is used
@@ -558,12 +565,38 @@ def calibrate(pair: Pair, k: int = 4) -> Costs:
         return list(_guarded(pair, steps))
 
     plain = median(r.round_time for r in run(None, 6)[1:])
-    rounds = [r for r in run(pair.make_drafter(False), 1 + 5 * (k + 1)) if r.num_draft]
-    if not rounds:
-        return Costs(plain_step=plain, draft_step=0.0, extra=0.0)
-    draft = median(r.draft_time / r.num_draft for r in rounds)
-    extra = median(max(0.0, r.verify_time - plain) / r.num_draft for r in rounds)
+    drafter = pair.make_drafter(False)
+    filler = [r for r in run(_Filler(drafter.needs_hidden), 1 + 5 * (k + 1)) if r.num_draft]
+    extra = median(max(0.0, r.verify_time - plain) / r.num_draft for r in filler)
+    draft = 0.0
+    if pair.drafter_kind != "ngram":  # arbitrary ids never repeat: the model drafts every round
+        rounds = [r for r in run(drafter, 1 + 5 * (k + 1)) if r.num_draft]
+        draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
     return Costs(plain_step=plain, draft_step=draft, extra=extra)
+
+
+class _Filler:
+    """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
+
+    name = "filler"
+
+    def __init__(self, needs_hidden: bool) -> None:
+        self.needs_hidden = needs_hidden  # the target runs as it will with the real drafter
+
+    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+        pass
+
+    def label(self) -> None:
+        return None
+
+    def propose(self, k: int, dist: Any, key: mx.array) -> Proposal:
+        return Proposal(mx.zeros((k,), mx.int32), None)
+
+    def commit(self, k: int, accepted: int, emitted: list[int], hidden: Any = None) -> None:
+        pass
+
+    def abort(self, k: int) -> None:
+        pass
 
 
 def generate(pair: Pair, prompt: str | Sequence[int], **options) -> GenerationResult:

@@ -35,6 +35,11 @@ class Drafter(Protocol):
         """Begin a sequence whose context is `prompt` (the target holds all but its last token).
         `hidden`: the target's hidden states (len(prompt) - 1, H) for the positions it read."""
 
+    def label(self) -> int | None:
+        """A grade of the next proposal from the context alone, for the policy to keep separate
+        acceptance statistics: the n-gram match length (0 = nothing to propose), or None for a
+        draft model."""
+
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         """Propose up to k next tokens (lazily evaluated arrays are fine)."""
 
@@ -80,6 +85,9 @@ class ModelDrafter:
         self.cache = make_prompt_cache(self.model)
         prefill(self.model, self.cache, prompt[:-1])
         self.pending = prompt[-1:]
+
+    def label(self) -> None:
+        return None
 
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         # No host sync between draft steps: each token feeds the next lazily.
@@ -160,6 +168,9 @@ class NgramDrafter:
                 return out, n
         return [], 0
 
+    def label(self) -> int:
+        return self.lookup(1)[1]
+
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         tokens, self.last_match = self.lookup(k)
         return Proposal(mx.array(tokens, dtype=mx.int32), None)
@@ -190,9 +201,14 @@ class HybridDrafter:
         self.model.start(prompt, hidden)
         self.ngram.start(prompt)
 
+    def label(self) -> int | None:
+        """The n-gram match length when the next proposal is a copy, None when the model drafts."""
+        n = self.ngram.label()
+        return n if n >= self.min_match else None
+
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         tokens, n = self.ngram.lookup(k)
-        if n >= self.min_match and len(tokens) >= min(k, 2):
+        if n >= self.min_match:  # the same test as label(): context only
             self.used = self.ngram
             self.ngram.last_match = n
             return Proposal(mx.array(tokens, dtype=mx.int32), None)

@@ -166,6 +166,9 @@ class EagleDrafter:
         full = mx.full((1, self.vocab_size), -mx.inf, dtype=mx.float32)
         return mx.put_along_axis(full, self.parts.vocab_ids[None], small, axis=-1)
 
+    def label(self) -> None:
+        return None
+
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         self._offset, self._proposed = self.cache.offset, True
         self._fed = len(self.pending_ids)

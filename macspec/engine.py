@@ -201,8 +201,8 @@ def decode(
     """Yield one Round per target forward pass until a stop. No I/O, no text: ids and seconds.
 
     The first token always comes from a plain step, which also measures what a plain step costs
-    now; with no drafter every step is plain. `policy` picks K per round (0 = a plain step);
-    without one, K = num_draft every round."""
+    now; with no drafter every step is plain. `policy` picks K per round (0 = a plain step)
+    from the drafter's label of its next proposal; without one, K = num_draft every round."""
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     t0 = perf_counter()
@@ -216,7 +216,7 @@ def decode(
         # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
         k = 0
         if drafter is not None and generated > 0:
-            k = min(policy.next_k(), num_draft, room - 1)
+            k = min(policy.next_k(drafter.label()), room - 1)
         key, subkey = mx.random.split(key)
         dist = make_dist(opts, history)
         t0 = perf_counter()

@@ -91,6 +91,15 @@ def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch)
     assert chi_square(expected, counts) < 1e-5
 
 
+def test_adaptive_ngram_distribution_matches_target(small_ngram, costs):
+    """Adaptive K per match length (copies up to 2 x num_draft), at temperature 1."""
+    costs(CHEAP_DRAFT)
+    options = {"temperature": 1.0, "min_p": 0.05}
+    expected = exact_joint(small_ngram, PROMPT, DEPTH, **options)
+    counts = sample_prefixes(small_ngram, PROMPT, DEPTH, N, num_draft=2, **options)
+    assert chi_square(expected, counts) > 1e-3
+
+
 def test_adaptive_distribution_matches_target(small_pair, costs):
     """Adaptive K with the draft's confidence stop, at temperature 1."""
     costs(CHEAP_DRAFT)
@@ -148,6 +157,24 @@ def test_policy_switches_to_plain_when_losing_and_back_when_helping():
     assert [policy.next_k() for _ in range(5)] == [4] * 5
 
 
+def test_policy_keeps_separate_statistics_per_label():
+    policy = AdaptiveK(k_max=2, costs=SLOW_DRAFT, probe_after=4, copy_max=8)
+
+    def play(label: int, accept: bool) -> int:
+        k = policy.next_k(label)
+        policy.observe(k, k if accept else 0)
+        return k
+
+    for _ in range(8):  # 1-gram copies are always rejected, 4-gram copies always accepted
+        play(1, False)
+        play(4, True)
+    weak = [play(1, False) for _ in range(30)]
+    assert sum(k > 0 for k in weak) <= 3  # weak matches: plain steps, rarer and rarer probes
+    assert [play(4, True) for _ in range(3)] == [8, 8, 8]  # copy_max, no draft time to pay
+    assert 1 <= policy.next_k(None) <= 2  # the draft model's own estimate: still the prior
+    assert policy.next_k(0) == 0  # nothing to propose
+
+
 def test_policy_picks_longer_drafts_for_higher_acceptance():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
@@ -166,7 +193,7 @@ def test_calibration_measures_positive_costs(pair):
 
 def test_k_used_per_round_is_reported(pair):
     events = list(macspec.stream_generate(pair, "Report", max_tokens=40, num_draft=5))
-    assert all(0 <= e.num_draft <= 5 for e in events)
+    assert all(0 <= e.num_draft <= 10 for e in events)  # copies: up to 2 x num_draft
     assert all(e.num_draft == len(e.accepted) + len(e.rejected) for e in events)
 
 
