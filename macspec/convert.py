@@ -180,21 +180,6 @@ def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, em
     return model, config
 
 
-def _truncate(model: Any, config: dict, n: int, src: Path) -> None:
-    """Keep the first n decoder layers of an mlx-lm model (model.model.layers), in place."""
-    inner = getattr(model, "model", None)
-    have = len(getattr(inner, "layers", None) or [])
-    if not have:
-        raise ConvertError(f"{src}: this architecture has no decoder layer list to truncate")
-    if n > have:
-        raise OptionError(f"invalid layers={n}: {src} has only {have} decoder layers")
-    inner.layers = inner.layers[:n]
-    config["num_hidden_layers"] = n
-    for key, value in list(config.items()):  # per-layer settings (e.g. layer_types) follow
-        if isinstance(value, list) and len(value) == have and key != "architectures":
-            config[key] = value[:n]
-
-
 def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict) -> None:
     from mlx_lm.utils import save_config, save_model
 
@@ -215,7 +200,6 @@ def convert(
     force: bool = False,
     embed_8bit: bool = False,
     revision: str | None = None,
-    layers: int | None = None,
 ) -> Path:
     """Convert `source` into the store as `output` (default: derived from the source name).
 
@@ -223,9 +207,6 @@ def convert(
     quantized source); "keep" keeps a source's quantization (e.g. a GGUF's Q4_1/Q8_0 blocks as-is).
     dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: the source's, else
     float16). embed_8bit: keep the embeddings and the output head at 8 bits when quantizing.
-    layers: keep only the first N decoder layers (then the final norm and the head): a
-    layer-truncated copy, a draft for the full model that needs no training and shares its
-    tokenizer (and a model draft that mlx-lm's speculative decoding can run too).
     Returns the new model's directory.
     """
     q = str(q).lower().removesuffix("bit")
@@ -235,10 +216,6 @@ def convert(
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if group_size not in GROUP_SIZES:
         raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
-    if layers is not None and (
-        isinstance(layers, bool) or not isinstance(layers, int) or layers < 1
-    ):
-        raise OptionError(f"invalid layers={layers!r}: must be an integer >= 1")
     kind, src = _source_kind(source)
     name = validate_name(output) if output else _default_name(kind, source, q, dtype)
     dest = store_root() / name
@@ -270,8 +247,6 @@ def convert(
             tokenizer = load_tokenizer(model_src)
         except Exception as e:  # transformers raises many types for a missing/broken tokenizer
             raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
-        if layers is not None:
-            _truncate(model, config, layers, model_src)
         model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
         info = {
             "source": str(source) if kind == "hub" else str(src),
@@ -280,7 +255,6 @@ def convert(
             "group_size": group_size if q in ("4", "8") else None,
             "dtype": chosen,
             "embed_8bit": embed_8bit,
-            "layers": layers,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         try:
@@ -332,11 +306,5 @@ def register(subparsers: Any) -> None:
         help="with -q 4: keep embeddings and the output head at 8 bits",
     )
     p.add_argument("--revision", help="HF branch, tag or commit")
-    p.add_argument(
-        "--layers",
-        type=int,
-        metavar="N",
-        help="keep only the first N decoder layers (a layer-truncated draft of the same model)",
-    )
     p.add_argument("--force", action="store_true", help="replace an existing store entry")
     p.set_defaults(func=_run)

@@ -16,7 +16,6 @@ from huggingface_hub import constants
 from mlx_lm.utils import load_model
 from tinymodels import make_tiny_model
 
-import macspec
 from macspec import cli, default
 from macspec import convert as convert_mod
 from macspec.convert import convert
@@ -64,26 +63,6 @@ def test_local_dir_full_precision(tiny):
     assert info["kind"] == "dir" and info["dtype"] == "float32" and info["q"] == "none"
     assert resolve_model("tiny-f32") == path
     assert _listing() == ["tiny-f32"]
-
-
-def test_layer_truncated_copy_is_the_first_layers_of_the_model(tiny):
-    path = convert(str(tiny), output="tiny-l1", dtype="float32", layers=1)
-    config = json.loads((path / "config.json").read_text())
-    assert config["num_hidden_layers"] == 1
-    assert json.loads((path / "macspec.json").read_text())["layers"] == 1
-    full, _ = load_model(tiny)
-    inner = full.model
-    h = inner.embed_tokens(mx.array([IDS]))
-    h = inner.layers[0](h, "causal", None)  # the first layer alone, then the norm and the head
-    expected = (
-        inner.embed_tokens.as_linear(inner.norm(h))
-        if full.args.tie_word_embeddings
-        else (full.lm_head(inner.norm(h)))
-    )
-    np.testing.assert_allclose(_logits(path), np.array(expected[0]), atol=1e-5)
-    pair = macspec.load(tiny, path)  # same tokenizer: a usable draft
-    plain = macspec.generate(pair, IDS, max_tokens=12, speculative=False)
-    assert macspec.generate(pair, IDS, max_tokens=12, adaptive=False).tokens == plain.tokens
 
 
 def test_default_name_and_dtype(tiny):
@@ -213,8 +192,6 @@ def test_bad_sources_give_clear_errors(tiny, tmp_path):
         ({"q": "3"}, "-q must be one of"),
         ({"dtype": "int8"}, "--dtype must be one of"),
         ({"group_size": 48}, "--group-size must be one of"),
-        ({"layers": 0}, "invalid layers=0"),
-        ({"layers": 99}, "has only 2 decoder layers"),
     ],
 )
 def test_bad_options(tiny, kwargs, match):
