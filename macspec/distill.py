@@ -150,6 +150,101 @@ TRAIN_PROMPTS: dict[str, tuple[str, ...]] = {
     ),
 }
 
+# Topics x question forms: hundreds of varied contexts cost nothing to write, and the held-out gap
+# of the first draft (0.86 agreement on training prompts, 0.30 on others) showed that prompt
+# variety, not the number of samples per prompt, limited it.
+_TOPICS = (
+    "volcanoes",
+    "the moon landing",
+    "compound interest",
+    "sourdough bread",
+    "solar panels",
+    "the French Revolution",
+    "honeybees",
+    "machine learning",
+    "recycling plastic",
+    "jazz music",
+    "the human immune system",
+    "earthquakes",
+    "coffee",
+    "the printing press",
+    "octopuses",
+    "renewable energy",
+    "the stock market",
+    "ancient Greece",
+    "rainbows",
+    "sleep",
+    "electric guitars",
+    "the water cycle",
+    "chess openings",
+    "glaciers",
+    "photosynthesis in algae",
+    "the Silk Road",
+    "vaccination",
+    "bicycles",
+    "cloud computing",
+    "coral reefs",
+    "the Olympic Games",
+    "tea ceremonies",
+    "nuclear fusion",
+    "the Internet of Things",
+    "wolves",
+    "minimalism",
+    "the Renaissance",
+    "hurricanes",
+    "blockchains",
+    "volunteering",
+)
+_FORMS = (
+    "Explain {} to a ten-year-old.",
+    "What are three surprising facts about {}?",
+    "Write a short paragraph about {} for a school newsletter.",
+    "What are the advantages and disadvantages of {}?",
+    "Give me a quick summary of the history of {}.",
+    "Write a haiku about {}.",
+)
+_CODE_TASKS = (
+    "removes duplicates from a list while keeping the order",
+    "counts the words in a sentence",
+    "checks whether a year is a leap year",
+    "merges two sorted lists",
+    "converts Celsius to Fahrenheit",
+    "finds the second largest number in a list",
+    "returns the n-th triangular number",
+    "validates an email address with a regular expression",
+    "flattens a nested list",
+    "computes the average of the values in a dictionary",
+    "capitalises the first letter of every word",
+    "returns the longest word in a text",
+)
+_LANGUAGES = ("Python", "JavaScript", "Go")
+_TEXTS = (
+    "The museum will close for renovation from June to September. During this time the "
+    "collection will travel to three other cities. Members keep their benefits and can visit "
+    "the partner museums for free. The new building adds a cafe, a library and a hall for "
+    "children's workshops.",
+    "our team finished the first version of the app last week. testers found twelve bugs, "
+    "most of them small layout problems on older phones. two bugs crash the app when the "
+    "network is slow. we plan to fix everything by the end of the month and then release it.",
+    "Scientists tracked 40 sea turtles for two years with small satellite tags. The turtles "
+    "swam up to 3,000 kilometres between feeding areas and the beaches where they were born. "
+    "The study shows that protecting a few coastal areas could help the whole population.",
+    "Dear customer, your order 5521 has been shipped and should arrive within five working "
+    "days. If a part is missing or damaged, reply to this message with a photo and we will "
+    "send a replacement. Thank you for shopping with us.",
+)
+_TASKS = (
+    "Summarise this text in two sentences.",
+    "Rewrite this text in a formal tone.",
+    "List the key facts in this text as bullet points.",
+    "Write three questions that this text answers.",
+)
+TRAIN_PROMPTS["varied"] = tuple(f.format(t) for t in _TOPICS for f in _FORMS)
+TRAIN_PROMPTS["varied code"] = tuple(
+    f"Write a {lang} function that {task}." for task in _CODE_TASKS for lang in _LANGUAGES
+)
+TRAIN_PROMPTS["grounded"] = tuple(f"{task}\n\n{text}" for text in _TEXTS for task in _TASKS)
+
 # Temperatures of the rows sampled for one prompt: one greedy row (the aim is greedy acceptance)
 # and a spread of sampled ones, so the draft sees the contexts it meets at every temperature.
 TEMPERATURE_CYCLES = (
