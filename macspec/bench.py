@@ -48,10 +48,9 @@ class Method:
             "macspec_plain": "macspec plain",
         }
         name = names[self.method]
-        if self.method == "macspec_ngram":  # adaptive K; copies may run to 2 x num_draft
+        if self.method in ("macspec_adaptive", "macspec_ngram"):  # the engine's adaptive K;
+            # n-gram copies (no draft time) may run to 2 x num_draft
             return f"{name} K<={self.num_draft} (copies<={2 * self.num_draft})"
-        if self.method == "macspec_adaptive":  # the engine's adaptive K
-            return f"{name} K<={self.num_draft}"
         return f"{name} K={self.num_draft}" if self.method in _PER_K else name
 
 

@@ -64,9 +64,13 @@ def test_summary_is_consistent(result):
             assert r["speedup"] == 1.0
         if r["acceptance_rate"] is not None:
             assert 0.0 <= r["acceptance_rate"] <= 1.0
-            assert 1.0 <= r["mean_accepted_length"] <= r["num_draft"] + 1
+            # n-gram copies may run to 2 x num_draft ids (they cost no draft time)
+            k_max = r["num_draft"] * (
+                2 if r["method"] in ("macspec_ngram", "macspec_adaptive") else 1
+            )
+            assert 1.0 <= r["mean_accepted_length"] <= k_max + 1
             assert all(0.0 <= a <= 1.0 for a in r["per_position_acceptance"])
-            assert len(r["per_position_acceptance"]) <= r["num_draft"]
+            assert len(r["per_position_acceptance"]) <= k_max
         if r["time_split"] is not None:
             assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=1e-6)
         assert r["peak_memory_bytes"] > 0 and r["weight_read_gbs"] > 0
