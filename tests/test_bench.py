@@ -222,5 +222,12 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
     assert text.startswith("# x\n<!-- section:bench -->\nintro\n") and text.endswith("\nafter\n")
     assert "old" not in text and "| mlx-lm plain |" in text and "| macspec K=3 |" in text
     assert "![speedup](docs/speedup.png)" in text and (charts / "acceptance.png").is_file()
+    assert text.count("never below 0.95x plain (adaptive modes)") == 1
+    # A second run (e.g. a model draft for the mlx-lm side-by-side) follows with its own tables
+    # and only the mlx-lm comparison among the goals.
+    assert mod.main([result["files"][0], result["files"][0], "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.count("**Temperature 0.0**") == 2 and text.count("never below 0.95x") == 1
+    assert text.count("T=0.7, K=3: macspec accepted length") == 2
     readme.write_text("no markers")
     assert mod.main([result["files"][0], "--readme", str(readme)]) == 1
