@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -539,16 +540,19 @@ def _guarded(pair: Pair, steps: Iterator[Round]) -> Iterator[Round]:
     return guard(pair, steps)
 
 
-def calibrate(pair: Pair, k: int = 4) -> Costs:
-    """Measure, on this machine, what a plain step, a draft token and a wider verification cost:
-    a short plain decode, a short decode verifying k filler ids per round, and (with a draft
-    model) a short fixed-K speculative decode, all over arbitrary ids."""
+def calibrate(pair: Pair, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8)) -> Costs:
+    """Measure, on this machine, what a plain step, a draft token and wider verifications cost:
+    a short decode alternating plain steps and passes verifying filler ids over each of `widths`
+    drafts (3 of each, after one warm-up cycle), and (with a draft model) a short fixed-K
+    speculative decode, all over arbitrary ids."""
     from statistics import median
 
     ids = [(7 * i) % pair.vocab_size for i in range(1, 33)]  # any ids: only the time is used
     context = min(pair.context_length, 1 << 20)
 
-    def run(drafter: Drafter | None, max_tokens: int) -> list[Round]:
+    def run(drafter: Drafter | None, ks: list[int]) -> list[Round]:
+        """The first (plain) step, then one round per entry of ks (0 = plain)."""
+        max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
         steps = decode(
             _target(pair, drafter),
             drafter,
@@ -560,19 +564,42 @@ def calibrate(pair: Pair, k: int = 4) -> Costs:
             eos_ids=set(),
             context_length=context,
             timing=pair.timing,
-            policy=FixedK(k),
+            policy=_Schedule(ks),
         )
-        return list(_guarded(pair, steps))
+        return list(islice(_guarded(pair, steps), len(ks) + 1))
 
-    plain = median(r.round_time for r in run(None, 6)[1:])
+    # Plain steps and every width interleaved, on the target as the real drafter runs it: load
+    # changes during the measurement then hit all of them alike. The first cycle warms up (the
+    # first passes of a process were measured 25% slower) and is not counted.
     drafter = pair.make_drafter(False)
-    filler = [r for r in run(_Filler(drafter.needs_hidden), 1 + 5 * (k + 1)) if r.num_draft]
-    extra = median(max(0.0, r.verify_time - plain) / r.num_draft for r in filler)
+    cycle = [0, *widths]
+    rounds = run(_Filler(drafter.needs_hidden), cycle * 4)[1 + len(cycle) :]
+    plain = median(r.verify_time for r in rounds if r.num_draft == 0)
+    passes = tuple(
+        (n, median(r.verify_time for r in rounds if r.num_draft == n))
+        for n in widths
+        if any(r.num_draft == n for r in rounds)  # a tiny context may cut the widest ones
+    )
+    at_k = dict(passes).get(k)
+    extra = max(0.0, at_k - plain) / k if at_k is not None else 0.0
     draft = 0.0
     if pair.drafter_kind != "ngram":  # arbitrary ids never repeat: the model drafts every round
-        rounds = [r for r in run(drafter, 1 + 5 * (k + 1)) if r.num_draft]
+        rounds = [r for r in run(drafter, [k] * 5) if r.num_draft]
         draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
-    return Costs(plain_step=plain, draft_step=draft, extra=extra)
+    return Costs(plain_step=plain, draft_step=draft, extra=extra, verify=passes)
+
+
+class _Schedule:
+    """The policy calibrate() decodes with: the given K per round, in order, then plain steps."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks = list(ks)
+
+    def next_k(self, label: Any = None) -> int:
+        return self.ks.pop(0) if self.ks else 0
+
+    def observe(self, k: int, accepted: int) -> None:
+        pass
 
 
 class _Filler:

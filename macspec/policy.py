@@ -8,6 +8,7 @@ distribution: exactness holds for any K.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Protocol
 
 # A drafter's grade of its next proposal, from the context alone (the n-gram match length);
@@ -32,7 +33,22 @@ class Costs:
 
     plain_step: float  # one plain target step
     draft_step: float  # one draft token (a model draft; copied n-gram ids cost nothing)
-    extra: float  # verification cost of one more position beyond a plain step
+    extra: float  # verification cost of one more position beyond a plain step (linear model)
+    # Measured passes: (k, seconds of one target pass over 1 + k positions). On CPUs the cost is
+    # far from linear in k (SmolLM2-135M, OpenBLAS, 2 cores: 1.20x a plain step for k=1, 1.61x for
+    # k=4, 1.73x for k=7), so a single slope mis-prices both short and long proposals.
+    verify: tuple[tuple[int, float], ...] = ()
+
+    def pass_time(self, k: int) -> float:
+        """Seconds of a target pass verifying k drafts: interpolated between the measured
+        passes, extended with the last measured slope, or plain_step + k * extra without any."""
+        points = [(0, self.plain_step), *self.verify]
+        if len(points) == 1:
+            return self.plain_step + k * self.extra
+        for (k0, t0), (k1, t1) in pairwise(points):
+            if k <= k1:
+                return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        return t1 + max(t1 - t0, 0.0) / (k1 - k0) * (k - k1)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -75,7 +91,8 @@ class AdaptiveK:
     """Pick K maximising expected tokens per second; fall back to plain decoding (K = 0) when
     even the best K is expected to lose against it, and probe again later.
 
-    Time of a round: k * draft_step + plain_step + k * extra; tokens: expected_tokens(alpha, k)
+    Time of a round: k * draft_step + the measured pass over 1 + k positions (Costs.pass_time);
+    tokens: expected_tokens(alpha, k)
     with alpha, the per-draft acceptance, a running estimate from past rounds. Proposals with
     different labels keep separate estimates: a 4-gram match of a summary is accepted ~90% of the
     time, a 1-gram match ~15% (SmolLM2, measured), so one pooled rate would draft too much after
@@ -103,7 +120,7 @@ class AdaptiveK:
     def expected_speed(self, k: int, label: Label = None) -> float:
         c = self.costs
         draft = 0.0 if label is not None else c.draft_step
-        return expected_tokens(self.arm(label).alpha, k) / (k * draft + c.plain_step + k * c.extra)
+        return expected_tokens(self.arm(label).alpha, k) / (k * draft + c.pass_time(k))
 
     def best_k(self, label: Label = None) -> int:
         cap = self.k_max if label is None else (self.copy_max or self.k_max)

@@ -189,6 +189,38 @@ def test_policy_picks_longer_drafts_for_higher_acceptance():
 def test_calibration_measures_positive_costs(pair):
     c = macspec.api.calibrate(pair)
     assert c.plain_step > 0 and c.draft_step > 0 and c.extra >= 0
+    assert [k for k, _ in c.verify] == [1, 2, 4, 8]
+    assert all(t > 0 for _, t in c.verify)
+
+
+CONCAVE = ((1, 1.2), (2, 1.37), (4, 1.6), (8, 1.75))  # SmolLM2-135M, OpenBLAS, 2 cores (ratios)
+
+
+def test_pass_time_interpolates_the_measured_passes():
+    c = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
+    assert c.pass_time(0) == 1.0
+    assert c.pass_time(2) == pytest.approx(1.37)
+    assert c.pass_time(3) == pytest.approx(1.485)  # halfway between k=2 and k=4
+    assert c.pass_time(6) == pytest.approx(1.675)
+    assert c.pass_time(10) == pytest.approx(1.825)  # the last slope, 0.0375 per draft, goes on
+    assert Costs(plain_step=1.0, draft_step=0.0, extra=0.15).pass_time(3) == pytest.approx(1.45)
+
+
+def _policy_at(alpha: float, costs: Costs) -> AdaptiveK:
+    policy = AdaptiveK(k_max=8, costs=costs)
+    policy.arm(None).accepts, policy.arm(None).trials = alpha, 1.0
+    return policy
+
+
+def test_policy_prices_k_with_the_measured_passes():
+    linear = Costs(plain_step=1.0, draft_step=0.0, extra=0.15)
+    measured = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
+    # Well-accepted drafts: wide passes cost less than the slope says, so K goes further.
+    assert _policy_at(0.8, linear).best_k() == 5
+    assert _policy_at(0.8, measured).best_k() == 8
+    # Poorly accepted drafts: the slope says K=1 breaks even, the measured pass says it loses.
+    assert _policy_at(0.16, linear).next_k() == 1
+    assert _policy_at(0.16, measured).next_k() == 0
 
 
 def test_k_used_per_round_is_reported(pair):
