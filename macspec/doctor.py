@@ -92,6 +92,11 @@ def format_report(report: dict[str, Any]) -> str:
         v = report["verify_cost"]
         costs = ", ".join(f"{n}: {ms} ms ({v['ratio'][n]}x)" for n, ms in v["ms"].items())
         lines.append(f"tokens/pass    {costs}  [{v['model']}]")
+        split = ", ".join(
+            f"{n}: {t['layers']} + {t['head']} ms" for n, t in v.get("split_ms", {}).items()
+        )
+        if split:
+            lines.append(f"layers + head  {split}")
     lines += [f"advice         {note}" for note in report["advice"]]
     return "\n".join(lines)
 
@@ -102,7 +107,9 @@ def verify_costs(
     """Time of one target forward pass over n new tokens, after a `context`-token prompt.
 
     A pass over K+1 tokens verifies K drafts: the closer its cost is to one token's, the more
-    speculation pays. Variants interleave and the minimum is kept, so other load disturbs less."""
+    speculation pays. Where the time goes: the same pass split into the decoder layers and the
+    output head (the vocabulary-wide product, often the largest single matrix). Variants
+    interleave and the minimum is kept, so other load disturbs less."""
     import time
 
     import mlx.core as mx
@@ -110,25 +117,42 @@ def verify_costs(
 
     import macspec
 
+    from .engine import hidden_states, output_head
+
     pair = macspec.load(model)
-    cache = make_prompt_cache(pair.target)
+    target = pair.target
+    cache = make_prompt_cache(target)
     prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
-    mx.eval(pair.target(prompt, cache=cache))
-    best = {n: float("inf") for n in rows}
+    mx.eval(target(prompt, cache=cache))
+    parts = ("pass", "layers", "head")
+    best = {(part, n): float("inf") for part in parts for n in rows}
+
+    def timed(part: str, n: int, rep: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        if rep:  # the first round warms up
+            best[part, n] = min(best[part, n], time.perf_counter() - start)
+        return out
+
     for rep in range(repeats + 1):
         for n in rows:
             x = mx.array([[1] * n])
-            start = time.perf_counter()
-            mx.eval(pair.target(x, cache=cache))
-            if rep:  # the first round warms up
-                best[n] = min(best[n], time.perf_counter() - start)
+            timed("pass", n, rep, target, x, cache=cache)
             for c in cache:
                 c.trim(n)
-    one = best[rows[0]]
+            h = timed("layers", n, rep, hidden_states, target, x[0], cache)
+            timed("head", n, rep, output_head, target, h)
+            for c in cache:
+                c.trim(n)
+    one = best["pass", rows[0]]
     return {
         "model": str(pair.target_path),
-        "ms": {str(n): round(t * 1000, 2) for n, t in best.items()},
-        "ratio": {str(n): round(t / one, 2) for n, t in best.items()},
+        "ms": {str(n): round(best["pass", n] * 1000, 2) for n in rows},
+        "ratio": {str(n): round(best["pass", n] / one, 2) for n in rows},
+        "split_ms": {
+            str(n): {p: round(best[p, n] * 1000, 2) for p in ("layers", "head")} for n in rows
+        },
     }
 
 

@@ -97,3 +97,7 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     costs = json.loads(capsys.readouterr().out)["verify_cost"]
     assert list(costs["ms"]) == ["1", "2", "3", "5", "8"] and costs["ratio"]["1"] == 1.0
     assert all(ms > 0 for ms in costs["ms"].values())
+    assert list(costs["split_ms"]) == ["1", "2", "3", "5", "8"]
+    assert all(t["layers"] > 0 and t["head"] > 0 for t in costs["split_ms"].values())
+    assert main(["doctor", "--model", str(model)]) == 0
+    assert "layers + head  1: " in capsys.readouterr().out
