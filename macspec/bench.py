@@ -330,9 +330,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"{meta['bandwidth_gbs']:.1f} GB/s copy bandwidth, target weights "
         f"{meta['target_weight_bytes'] / 1e6:.0f} MB)"
     ]
+    width = max([26, *(len(r["label"]) + 2 for r in rows)])  # labels such as "(copies<=8)"
     for temp in meta["temperatures"]:
         out.append(f"\ntemperature {temp}")
-        head = f"{'method':<26}{'tok/s median (min-max)':>25}{'speedup':>9}{'accept':>8}{'len':>6}"
+        head = f"{'method':<{width}}{'tok/s median (min-max)':>25}"
+        head += f"{'speedup':>9}{'accept':>8}{'len':>6}"
         head += "".join(f"{k[:8]:>9}" for k in kinds)
         head += f"{'draft/verify/other':>20}{'peak MB':>9}{'weights GB/s':>14}"
         out.append(head)
@@ -341,7 +343,7 @@ def format_table(result: dict[str, Any]) -> str:
                 continue
             ts = r["tok_s"]
             tok = f"{ts['median']:.1f} ({ts['min']:.1f}-{ts['max']:.1f})" if ts else "-"
-            line = f"{r['label']:<26}{tok:>25}{_fmt(r['speedup'], 'x'):>9}"
+            line = f"{r['label']:<{width}}{tok:>25}{_fmt(r['speedup'], 'x'):>9}"
             line += (
                 f"{_fmt(r['acceptance_rate'], '', 2):>8}{_fmt(r['mean_accepted_length'], '', 2):>6}"
             )
