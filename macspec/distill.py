@@ -858,13 +858,17 @@ def distill(
     max_new: int = 128,
     unroll: int = 2,
     eval_tokens: int = 96,
+    init: str | None = None,
     force: bool = False,
     progress: bool = True,
 ) -> Path:
     """Train a draft for `target` and write it to `output` (a store name or a directory).
 
     Work files (sampled data, checkpoints) go to a hidden `.distill-<name>` directory beside the
-    output, so an interrupted run continues with resume=True. Returns the draft's directory."""
+    output, so an interrupted run continues with resume=True. `init` (a draft directory or store
+    name) continues training an existing eagle draft for this target on this run's data: its
+    weights, vocabulary and feature statistics are the starting point (`vocab` is not used).
+    Returns the draft's directory."""
     from .api import load
     from .eagle import EagleDraft, TargetParts, draft_config, load_draft, save_draft
 
@@ -892,6 +896,8 @@ def distill(
             f"an earlier distill run left {work}: pass --resume to continue it, or delete it"
         )
     pair = load(target)  # raises ModelError for a missing target
+    config = draft_config(pair.target)
+    start_from = None if init is None else _init_draft(init, pair, config)  # before the long part
     ids = training_prompts(pair, prompts)  # raises PromptError for a bad prompt file
     fits = [p for p in ids if len(p) + max_new < pair.context_length]
     if not fits:
@@ -909,6 +915,7 @@ def distill(
         "batch_rows": batch_rows,
         "lr": lr,
         "tokens": tokens,
+        "init": None if start_from is None else str(start_from[2]),
     }
     run_file = work / "run.json"
     if run_file.is_file():
@@ -929,12 +936,14 @@ def distill(
     )
     data_seconds = time.perf_counter() - t0
     data = Dataset(work / "data", max_new, shards)
-    vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
     train_rows, held = data.split()
-    config = draft_config(pair.target)
     mx.random.seed(seed)
-    draft = EagleDraft(config)
-    draft.init_from_features(*data.feature_stats())
+    if start_from is None:
+        vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
+        draft = EagleDraft(config)
+        draft.init_from_features(*data.feature_stats())
+    else:
+        draft, vocab_ids = start_from[0], start_from[1]
     parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
     before = agreement(draft, parts, data, held, unroll)
     t1 = time.perf_counter()
@@ -967,6 +976,7 @@ def distill(
     report = {
         "kind": "eagle",
         "target": pair.target_path.name,
+        "init": settings["init"],
         "data": {
             "tokens": data.tokens(),
             "rows": len(data),
@@ -986,6 +996,27 @@ def distill(
     shutil.copytree(staged, out)
     _say(f"wrote {out}")
     return out
+
+
+def _init_draft(init: str, pair: Any, config: dict) -> tuple[Any, list[int], Path]:
+    """(draft, vocabulary ids, directory) of the eagle draft a run continues, checked against
+    the target: ModelError for a missing directory, one that is no eagle draft, another width,
+    or ids the target does not have."""
+    from .eagle import read_draft
+    from .errors import ModelError
+    from .store import resolve_model
+
+    path = resolve_model(init)
+    draft, vocab_ids, meta = read_draft(path)
+    width, name = meta["config"]["hidden_size"], pair.target_path.name
+    if width != config["hidden_size"]:
+        raise ModelError(
+            f"{path} is a draft for hidden size {width}, but {name} has {config['hidden_size']}"
+        )
+    ids = vocab_ids.tolist()
+    if max(ids) >= pair.vocab_size:
+        raise ModelError(f"{path} proposes ids that {name}'s vocabulary does not have")
+    return draft, ids, path
 
 
 def summarise(report: dict) -> dict:
@@ -1049,5 +1080,10 @@ def register(subparsers: Any) -> None:
         help="training passes on the draft's own predicted features",
     )
     p.add_argument("--eval-tokens", type=int, default=96, help="tokens per evaluation prompt")
+    p.add_argument(
+        "--init",
+        metavar="DRAFT",
+        help="continue training this eagle draft (its weights, vocabulary and feature statistics)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output")
     p.set_defaults(func=_run)

@@ -2,6 +2,7 @@
 reproducible resume, and clear errors for bad inputs."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -131,6 +132,36 @@ def test_resumed_distill_reuses_data_and_checkpoint(run):
     assert [s.stat().st_mtime_ns for s in shards] == stamps
     for name, value in mx.load(str(again / "model.safetensors")).items():
         assert mx.array_equal(value, weights[name]).item(), name
+
+
+def test_init_continues_training_a_draft(run, tmp_path):
+    target, out = run
+    more = d.distill(
+        str(target), str(tmp_path / "more"), init=str(out), lr=3e-3, seed=1, **SMALL_RUN
+    )
+    _, first_vocab, _ = read_draft(out)
+    _, vocab, _ = read_draft(more)
+    assert vocab.tolist() == first_vocab.tolist()  # its own 40 ids, not the default --vocab
+    first = json.loads((out / "report.json").read_text())["agreement_top1_by_position"]
+    report = json.loads((more / "report.json").read_text())
+    assert Path(report["init"]) == out.resolve()
+    # It starts where the first run ended (other data, same prompts), not from random weights.
+    assert report["agreement_top1_by_position"]["before"][0] > first["before"][0] + 0.2
+    pair = macspec.load(target, more)
+    plain = macspec.generate(pair, "Once upon a time", max_tokens=30, speculative=False)
+    assert macspec.generate(pair, "Once upon a time", max_tokens=30).tokens == plain.tokens
+
+
+def test_init_must_be_an_eagle_draft_for_this_target(run, tmp_path):
+    target, _ = run
+    with pytest.raises(ModelError, match="cannot read the eagle draft"):
+        d.distill(str(target), str(tmp_path / "a"), init=str(target), **SMALL_RUN)
+    other = make_tiny_model(tmp_path / "wide", seed=0, hidden=64, tie=False, context=512)
+    wide = d.distill(str(other), str(tmp_path / "wide-draft"), vocab=40, **SMALL_RUN)
+    with pytest.raises(ModelError, match="hidden size 64"):
+        d.distill(str(target), str(tmp_path / "b"), init=str(wide), **SMALL_RUN)
+    written = {p.name for p in tmp_path.iterdir()}
+    assert not written & {"a", "b", ".distill-a", ".distill-b"}  # refused before writing
 
 
 def test_sampled_data_is_seeded(tmp_path, run):
