@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .errors import MacspecError, OptionError, PromptError
+from .errors import MacspecError, ModelError, OptionError, PromptError
 
 # Training prompts by kind. The evaluation prompts (macspec.prompts.BUILTIN) are not among them.
 TRAIN_PROMPTS: dict[str, tuple[str, ...]] = {
@@ -1003,7 +1003,6 @@ def _init_draft(init: str, pair: Any, config: dict) -> tuple[Any, list[int], Pat
     the target: ModelError for a missing directory, one that is no eagle draft, another width,
     or ids the target does not have."""
     from .eagle import read_draft
-    from .errors import ModelError
     from .store import resolve_model
 
     path = resolve_model(init)
