@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -445,8 +446,7 @@ class Dataset:
         self.ids: list[np.ndarray] = []
         self.feats: list[np.ndarray] = []
         self.first: list[int] = []  # draft positions before this predict prompt ids: no loss
-        self.prompt: list[int] = []  # which prompt each row continues (numbered by first sight)
-        seen: dict[bytes, int] = {}
+        self.prompt: list[int] = []  # which prompt each row continues (a hash of its ids)
         # Only the shards this run counted: a longer earlier run may have left more.
         found = sorted(data_dir.glob("shard-[0-9][0-9][0-9][0-9][0-9].safetensors"))
         for shard in found[:shards]:
@@ -461,7 +461,10 @@ class Dataset:
                 self.feats.append(hid[r, s:e])
                 # Draft position t predicts x_{t+2}; the answer starts at x_width.
                 self.first.append(max(0, width - 2 - s))
-                self.prompt.append(seen.setdefault(toks[r, s:width].tobytes(), len(seen)))
+                # A prompt's number is a hash of its ids, not its order of appearance, so the same
+                # prompts are held out whatever the seed: a run continuing a draft (--init) would
+                # otherwise measure on prompts the draft was trained on.
+                self.prompt.append(zlib.crc32(toks[r, s:width].tobytes()))
         if not self.ids:
             raise MacspecError(f"no training data in {data_dir}")
 

@@ -164,6 +164,31 @@ def test_init_must_be_an_eagle_draft_for_this_target(run, tmp_path):
     assert not written & {"a", "b", ".distill-a", ".distill-b"}  # refused before writing
 
 
+def test_held_out_prompts_do_not_depend_on_the_seed(run, tmp_path):
+    pair = macspec.load(run[0])
+    prompts = d.training_prompts(pair)[:60]
+    status = []  # prompt ids -> held out?
+    for seed in (0, 1):
+        d.generate_data(
+            pair,
+            prompts,
+            tmp_path / str(seed),
+            tokens=600,
+            seed=seed,
+            rows=8,
+            max_new=4,
+            progress=False,
+        )
+        data = d.Dataset(tmp_path / str(seed), 4)
+        held = set(data.split()[1])
+        status.append(
+            {data.ids[r][: data.first[r] + 2].tobytes(): r in held for r in range(len(data))}
+        )
+    both = status[0].keys() & status[1].keys()  # prompts met in both runs, in another order
+    assert any(status[0][p] for p in both) and not all(status[0][p] for p in both)
+    assert all(status[0][p] == status[1][p] for p in both)
+
+
 def test_sampled_data_is_seeded(tmp_path, run):
     pair = macspec.load(run[0])
     prompts = d.training_prompts(pair)[:3]
