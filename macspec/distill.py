@@ -899,8 +899,7 @@ def distill(
             f"an earlier distill run left {work}: pass --resume to continue it, or delete it"
         )
     pair = load(target)  # raises ModelError for a missing target
-    config = draft_config(pair.target)
-    start_from = None if init is None else _init_draft(init, pair, config)  # before the long part
+    start_from = None if init is None else _init_draft(init, pair)  # before the long part
     ids = training_prompts(pair, prompts)  # raises PromptError for a bad prompt file
     fits = [p for p in ids if len(p) + max_new < pair.context_length]
     if not fits:
@@ -940,6 +939,7 @@ def distill(
     data_seconds = time.perf_counter() - t0
     data = Dataset(work / "data", max_new, shards)
     train_rows, held = data.split()
+    config = draft_config(pair.target)
     mx.random.seed(seed)
     if start_from is None:
         vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
@@ -1001,23 +1001,20 @@ def distill(
     return out
 
 
-def _init_draft(init: str, pair: Any, config: dict) -> tuple[Any, list[int], Path]:
+def _init_draft(init: str, pair: Any) -> tuple[Any, list[int], Path]:
     """(draft, vocabulary ids, directory) of the eagle draft a run continues, checked against
     the target: ModelError for a missing directory, one that is no eagle draft, another width,
     or ids the target does not have."""
-    from .eagle import read_draft
+    from .eagle import read_draft_for
     from .store import resolve_model
 
     path = resolve_model(init)
-    draft, vocab_ids, meta = read_draft(path)
-    width, name = meta["config"]["hidden_size"], pair.target_path.name
-    if width != config["hidden_size"]:
-        raise ModelError(
-            f"{path} is a draft for hidden size {width}, but {name} has {config['hidden_size']}"
-        )
+    draft, vocab_ids, _ = read_draft_for(path, pair.target)
     ids = vocab_ids.tolist()
     if max(ids) >= pair.vocab_size:
-        raise ModelError(f"{path} proposes ids that {name}'s vocabulary does not have")
+        raise ModelError(
+            f"{path} proposes ids that {pair.target_path.name}'s vocabulary does not have"
+        )
     return draft, ids, path
 
 

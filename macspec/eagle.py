@@ -251,16 +251,22 @@ def read_draft(path: Path) -> tuple[EagleDraft, mx.array, dict]:
     return draft, vocab_ids, meta
 
 
-def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
-    """The factory macspec.load uses for a draft.json of kind "eagle": a fresh drafter per
-    generation, sharing the weights and the target's embedding and head."""
+def read_draft_for(path: Path, target: nn.Module) -> tuple[EagleDraft, mx.array, dict]:
+    """read_draft, refusing a draft made for a target of another width."""
     draft, vocab_ids, meta = read_draft(path)
-    expected = draft_config(pair.target)
+    expected = draft_config(target)
     if meta["config"]["hidden_size"] != expected["hidden_size"]:
         raise ModelError(
             f"the eagle draft in {path} was trained for hidden size "
             f"{meta['config']['hidden_size']}, but the target has {expected['hidden_size']}"
         )
+    return draft, vocab_ids, meta
+
+
+def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
+    """The factory macspec.load uses for a draft.json of kind "eagle": a fresh drafter per
+    generation, sharing the weights and the target's embedding and head."""
+    draft, vocab_ids, meta = read_draft_for(path, pair.target)
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
     parts = TargetParts(pair.target, vocab_ids)
 
