@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 # A drafter's grade of its next proposal, from the context alone (the n-gram match length);
 # None = ungraded (a draft model); 0 = nothing to propose.
@@ -51,12 +51,6 @@ class Costs:
         return t1 + max(t1 - t0, 0.0) / (k1 - k0) * (k - k1)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round emits on average when each draft is accepted with probability alpha:
-    1 + alpha + ... + alpha^k (the accepted prefix plus the target's own token)."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 @dataclass
 class FixedK:
     """Always k drafts (adaptive=False): for comparisons and tests. Label 0 (nothing to
@@ -73,17 +67,55 @@ class FixedK:
 
 @dataclass
 class _Arm:
-    """Acceptance statistics and fallback state of one kind of proposal (one label)."""
+    """Acceptance statistics and fallback state of one kind of proposal (one label).
 
-    accepts: float = 0.6  # running counts; a prior of alpha = 0.6
-    trials: float = 1.0
+    Acceptance is tracked per draft position, as P(draft i accepted | drafts 1..i-1 accepted):
+    a draft model's later positions build on its own guesses and fare worse (the default
+    SmolLM2 draft: 0.44 at position 1, 0.15 at position 2 on a chat answer), so one geometric
+    rate would overrate K >= 2 and underrate K = 1. Counts decay by `DECAY` per round (a window
+    of about ten rounds); each position is shrunk towards the one before it (towards the prior
+    0.6 for position 1) with the weight of one round, so positions never drafted yet borrow it."""
+
+    accepts: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
     backoff: int = 8
     skips_left: int = 0  # plain steps before the next probe round
     probing: bool = False
 
+    PRIOR: ClassVar[float] = 0.6
+    DECAY: ClassVar[float] = 0.9
+
+    def rates(self, k: int) -> list[float]:
+        """Conditional acceptance estimates for positions 1..k."""
+        out, before = [], self.PRIOR
+        for i in range(k):
+            a, t = (self.accepts[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
+            before = (a + before) / (t + 1.0)
+            out.append(before)
+        return out
+
     @property
     def alpha(self) -> float:
-        return self.accepts / self.trials
+        """Acceptance estimate of the first draft position."""
+        return self.rates(1)[0]
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a k-draft round emits on average: 1 + sum over i of P(drafts 1..i accepted)."""
+        total, run = 1.0, 1.0
+        for rate in self.rates(k):
+            run *= rate
+            total += run
+        return total
+
+    def observe(self, k: int, accepted: int) -> None:
+        """Positions 1..accepted were accepted; position accepted+1, if drafted, was not."""
+        reached = min(accepted + 1, k)
+        while len(self.trials) < reached:
+            self.accepts.append(0.0)
+            self.trials.append(0.0)
+        for i in range(len(self.trials)):
+            self.accepts[i] = self.DECAY * self.accepts[i] + (i < accepted)
+            self.trials[i] = self.DECAY * self.trials[i] + (i < reached)
 
 
 @dataclass
@@ -92,12 +124,12 @@ class AdaptiveK:
     even the best K is expected to lose against it, and probe again later.
 
     Time of a round: k * draft_step + the measured pass over 1 + k positions (Costs.pass_time);
-    tokens: expected_tokens(alpha, k)
-    with alpha, the per-draft acceptance, a running estimate from past rounds. Proposals with
-    different labels keep separate estimates: a 4-gram match of a summary is accepted ~90% of the
-    time, a 1-gram match ~15% (SmolLM2, measured), so one pooled rate would draft too much after
-    weak matches and too little after strong ones. Labelled (copied) proposals cost no draft
-    time and may run up to `copy_max` ids; model drafts up to `k_max`."""
+    tokens: 1 + the chance that drafts 1..i are all accepted, summed over i <= k, from running
+    per-position estimates of past rounds (_Arm). Proposals with different labels keep separate
+    estimates: a 4-gram match of a summary is accepted ~90% of the time, a 1-gram match ~15%
+    (SmolLM2, measured), so one pooled rate would draft too much after weak matches and too
+    little after strong ones. Labelled (copied) proposals cost no draft time and may run up to
+    `copy_max` ids; model drafts up to `k_max`."""
 
     k_max: int
     costs: Costs
@@ -120,7 +152,7 @@ class AdaptiveK:
     def expected_speed(self, k: int, label: Label = None) -> float:
         c = self.costs
         draft = 0.0 if label is not None else c.draft_step
-        return expected_tokens(self.arm(label).alpha, k) / (k * draft + c.pass_time(k))
+        return self.arm(label).expected_tokens(k) / (k * draft + c.pass_time(k))
 
     def best_k(self, label: Label = None) -> int:
         cap = self.k_max if label is None else (self.copy_max or self.k_max)
@@ -142,17 +174,13 @@ class AdaptiveK:
         if self.expected_speed(k, label) < self.margin / self.costs.plain_step:
             # Losing: decode plainly for a while (longer each time), then probe.
             arm.skips_left = arm.backoff - 1
-            arm.backoff = min(arm.backoff * 2, 256)
+            # Capped: a probe costs one losing round, so probing every 32 steps wastes under
+            # 1% and catches a draft that starts helping again (a new paragraph, a quote).
+            arm.backoff = min(arm.backoff * 2, 32)
             return 0
         arm.backoff = self.probe_after
         return k
 
     def observe(self, k: int, accepted: int) -> None:
-        if k == 0:
-            return
-        # Per-draft acceptance from prefix lengths: `accepted` successes, then one failure
-        # unless every draft was accepted (the maximum-likelihood estimate of a geometric run),
-        # as running counts weighted towards recent rounds.
-        arm, rate = self.arm(self._last), 0.3
-        arm.accepts = (1 - rate) * arm.accepts + rate * accepted
-        arm.trials = (1 - rate) * arm.trials + rate * (accepted + (accepted < k))
+        if k > 0:
+            self.arm(self._last).observe(k, accepted)

@@ -8,7 +8,7 @@ from tinymodels import make_tiny_model
 import macspec
 import macspec.engine as engine
 from macspec.drafters import NgramDrafter
-from macspec.policy import AdaptiveK, Costs, expected_tokens
+from macspec.policy import AdaptiveK, Costs
 
 
 @pytest.fixture(scope="module")
@@ -176,9 +176,6 @@ def test_policy_keeps_separate_statistics_per_label():
 
 
 def test_policy_picks_longer_drafts_for_higher_acceptance():
-    assert expected_tokens(0.0, 4) == 1.0
-    assert expected_tokens(1.0, 4) == 5.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     low, high = AdaptiveK(k_max=8, costs=CHEAP_DRAFT), AdaptiveK(k_max=8, costs=CHEAP_DRAFT)
     for _ in range(10):
         low.observe(4, 1)
@@ -207,8 +204,10 @@ def test_pass_time_interpolates_the_measured_passes():
 
 
 def _policy_at(alpha: float, costs: Costs) -> AdaptiveK:
+    """A policy that has seen a long history at acceptance alpha on position 1 (and, with no
+    data, the later positions borrow it)."""
     policy = AdaptiveK(k_max=8, costs=costs)
-    policy.arm(None).accepts, policy.arm(None).trials = alpha, 1.0
+    policy.arm(None).accepts, policy.arm(None).trials = [alpha * 1e9], [1e9]
     return policy
 
 
@@ -234,3 +233,53 @@ def test_invalid_drafter_options(tiny_dirs):
         macspec.load(tiny_dirs[0], drafter="magic")
     with pytest.raises(macspec.OptionError, match="ngram"):
         macspec.load(tiny_dirs[0], tiny_dirs[1], drafter="ngram")
+
+
+def test_acceptance_is_estimated_per_draft_position():
+    policy = AdaptiveK(k_max=4, costs=CHEAP_DRAFT)
+    arm = policy.arm(None)
+    assert arm.rates(3) == pytest.approx([0.6, 0.6, 0.6])  # the prior, borrowed down the chain
+    assert arm.expected_tokens(2) == pytest.approx(1 + 0.6 + 0.36)
+    policy.observe(2, 1)  # position 1 accepted, position 2 rejected
+    # position 1: (1 + 0.6) / (1 + 1); position 2: (0 + 0.8) / (1 + 1); position 3 borrows 0.4
+    assert arm.rates(3) == pytest.approx([0.8, 0.4, 0.4])
+    assert arm.expected_tokens(3) == pytest.approx(1 + 0.8 + 0.32 + 0.128)
+    policy.observe(1, 0)  # older counts decay by 0.9 before the new round is added
+    assert arm.rates(1) == pytest.approx([(0.9 + 0.6) / (1.9 + 1)])
+
+
+def test_a_weak_second_position_keeps_k_at_one():
+    # The default draft on a chat answer: the first draft right half the time, the second
+    # (built on the draft's own guess) almost never. One pooled geometric rate (1/3 here) says
+    # even K=1 loses (1.33 tokens for 1.35 steps); per position, K=1 wins 1.5 tokens for 1.35.
+    policy = AdaptiveK(k_max=4, costs=Costs(1.0, 0.15, 0.1, verify=CONCAVE))
+    for i in range(20):
+        policy.observe(2, i % 2)
+    first, second = policy.arm(None).rates(2)
+    assert 0.45 < first < 0.6 and second < 0.1
+    assert [policy.next_k() for _ in range(5)] == [1] * 5
+
+
+def test_a_short_run_of_misses_does_not_stop_a_draft_that_pays():
+    # Break-even here is a first-position acceptance of ~0.28 at K=1; the draft runs at 0.5.
+    policy = AdaptiveK(k_max=4, costs=Costs(1.0, 0.075, 0.1, verify=CONCAVE))
+    for i in range(30):
+        policy.observe(policy.next_k(), i % 2)
+    for _ in range(3):  # three misses in a row: 1 chance in 8 at this rate
+        policy.observe(policy.next_k(), 0)
+    assert policy.next_k() == 1
+
+
+def test_plain_stretches_double_up_to_32_steps_between_probes():
+    policy = AdaptiveK(k_max=4, costs=SLOW_DRAFT, probe_after=4)
+    stretches, plain = [], 0
+    for _ in range(200):
+        k = policy.next_k()
+        if k == 0:
+            plain += 1
+            continue
+        if plain:
+            stretches.append(plain)
+        plain = 0
+        policy.observe(k, 0)
+    assert stretches == [4, 8, 16, 32, 32, 32, 32, 32]
