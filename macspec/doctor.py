@@ -36,6 +36,7 @@ def diagnose() -> dict[str, Any]:
         "mlx": getattr(mx, "__version__", "?"),
         "blas": blas.kind,
         "blas_path": blas.path,
+        "openblas": be.openblas_details() if blas.kind == "openblas" else None,
         "blas_preloaded_by_macspec": bool(os.environ.get(be.REEXEC_ENV)),
         "memory_gb": round(memory / 1e9, 1) if memory else None,
         "bandwidth_gbs": {k: round(v, 2) for k, v in bandwidth.items()},
@@ -75,6 +76,8 @@ def advice(report: dict[str, Any]) -> list[str]:
 def format_report(report: dict[str, Any]) -> str:
     bw = report["bandwidth_gbs"]
     blas = report["blas"] + (f" ({report['blas_path']})" if report["blas_path"] else "")
+    if report.get("openblas"):
+        blas += f", {report['openblas']['core']} kernels, {report['openblas']['threads']} threads"
     if report["blas_preloaded_by_macspec"]:
         blas += " [preloaded by macspec]"
     lines = [

@@ -85,8 +85,17 @@ def _doctor_subprocess(**env: str) -> dict:
 def test_command_reexecs_with_openblas_and_opt_out_works():
     fast = _doctor_subprocess()
     assert fast["blas"] == "openblas" and fast["blas_preloaded_by_macspec"]
+    assert fast["openblas"]["core"] and fast["openblas"]["threads"] >= 1
     slow = _doctor_subprocess(**{be.OPT_OUT_ENV: "1"})
     assert slow["blas"] != "openblas" and not slow["blas_preloaded_by_macspec"]
+    assert slow["openblas"] is None
+
+
+@pytest.mark.skipif(be.find_openblas() is None, reason="no system OpenBLAS to preload")
+def test_doctor_reports_the_openblas_kernels_in_use():
+    # Debian's OpenBLAS picks kernels per CPU at start-up; OPENBLAS_CORETYPE forces a set.
+    forced = _doctor_subprocess(OPENBLAS_CORETYPE="Haswell", OPENBLAS_NUM_THREADS="1")
+    assert forced["openblas"] == {"core": "Haswell", "threads": 1}
 
 
 def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
