@@ -49,8 +49,9 @@ class Method:
         }
         name = names[self.method]
         if self.method in ("macspec_adaptive", "macspec_ngram"):  # the engine's adaptive K;
-            # n-gram copies (no draft time) may run to 2 x num_draft
-            return f"{name} K<={self.num_draft} (copies<={2 * self.num_draft})"
+            from .api import COPY_FACTOR  # n-gram copies (no draft time) may run longer
+
+            return f"{name} K<={self.num_draft} (copies<={COPY_FACTOR * self.num_draft})"
         return f"{name} K={self.num_draft}" if self.method in _PER_K else name
 
 
@@ -395,7 +396,7 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ]
         width = 0.8 / max(len(labels), 1)
         for i, lab in enumerate(labels):
-            ys = []
+            ys, spread = [], ([], [])
             for k in kinds:
                 cell = next(
                     (
@@ -405,14 +406,25 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
                     ),
                     None,
                 )
-                ys.append(cell["speedup"] if cell and cell["speedup"] else 0.0)
-            ax.bar([x + i * width for x in range(len(kinds))], ys, width, label=lab)
+                y = cell["speedup"] if cell and cell["speedup"] else 0.0
+                ys.append(y)
+                # Whiskers: the slowest and fastest repeat against the baseline's median.
+                scale = y / cell["tok_s"]["median"] if y else 0.0
+                spread[0].append(y - cell["tok_s"]["min"] * scale if y else 0.0)
+                spread[1].append(cell["tok_s"]["max"] * scale - y if y else 0.0)
+            xs = [x + i * width for x in range(len(kinds))]
+            ax.bar(xs, ys, width, label=lab, color=f"C{i}")
+            if any(spread[0]) or any(spread[1]):
+                ax.errorbar(xs, ys, yerr=spread, fmt="none", ecolor="black", lw=0.8, capsize=2)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(kinds))], kinds)
         ax.set_ylabel("speedup vs mlx-lm plain")
         ax.set_title(f"temperature {temp}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    # One legend under the plots, where it hides no bar.
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=min(len(names), 3), fontsize=8)
+    rows_of_legend = -(-len(names) // 3)
+    fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
     paths.append(out_dir / "speedup.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)

@@ -73,21 +73,21 @@ class _Arm:
     a draft model's later positions build on its own guesses and fare worse (the default
     SmolLM2 draft: 0.44 at position 1, 0.15 at position 2 on a chat answer), so one geometric
     rate would overrate K >= 2 and underrate K = 1. Counts decay by `DECAY` per round (a window
-    of about ten rounds); each position is shrunk towards the one before it (towards the prior
-    0.6 for position 1) with the weight of one round, so positions never drafted yet borrow it."""
+    of about ten rounds); each position is shrunk towards the one before it (towards `prior` for
+    position 1) with the weight of one round, so positions never drafted yet borrow it."""
 
+    prior: float = 0.6  # acceptance expected at position 1 before any round
     accepts: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
     backoff: int = 8
     skips_left: int = 0  # plain steps before the next probe round
     probing: bool = False
 
-    PRIOR: ClassVar[float] = 0.6
     DECAY: ClassVar[float] = 0.9
 
     def rates(self, k: int) -> list[float]:
         """Conditional acceptance estimates for positions 1..k."""
-        out, before = [], self.PRIOR
+        out, before = [], self.prior
         for i in range(k):
             a, t = (self.accepts[i], self.trials[i]) if i < len(self.trials) else (0.0, 0.0)
             before = (a + before) / (t + 1.0)
@@ -136,12 +136,16 @@ class AdaptiveK:
     margin: float = 1.0  # speculate only if expected speed >= margin x plain speed
     probe_after: int = 8
     copy_max: int | None = None  # cap for labelled proposals (default: k_max)
+    # Acceptance expected at position 1 per label before any round (the drafter's knowledge of
+    # what its labels mean); a label not listed starts at _Arm's default.
+    priors: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
     _last: Label = None
 
     def arm(self, label: Label) -> _Arm:
         if label not in self.arms:
-            self.arms[label] = _Arm(backoff=self.probe_after)
+            prior = self.priors.get(label, _Arm.prior)
+            self.arms[label] = _Arm(prior=prior, backoff=self.probe_after)
         return self.arms[label]
 
     @property

@@ -7,7 +7,8 @@ from tinymodels import make_tiny_model
 
 import macspec
 import macspec.engine as engine
-from macspec.drafters import NgramDrafter
+from macspec.api import COPY_FACTOR
+from macspec.drafters import COPY_PRIORS, NgramDrafter, match_label
 from macspec.policy import AdaptiveK, Costs
 
 
@@ -44,6 +45,18 @@ def test_ngram_finds_the_most_recent_longest_match():
     assert d.lookup(2) == ([], 0)  # 7 never occurred before
     d.commit(0, 0, [1, 2, 3])
     assert d.lookup(3) == ([8, 5, 2], 3)  # "1 2 3" most recently followed by 8
+
+
+def test_ngram_grades_a_proposal_by_the_whole_match_length():
+    d = NgramDrafter()  # 4-grams at most are indexed; the match is measured further back
+    d.start([1, 2, 3, 4, 5, 9, 6, 1, 2, 3, 4, 5])
+    assert d.lookup(2) == ([9, 6], 5)  # "1 2 3 4 5" matched, not just its last 4 ids
+    assert d.label() == 4  # bucket 4-5
+    d.start([0] + [7, 8] * 20)  # a cycle: the match runs to max_match
+    assert d.lookup(3) == ([7, 8, 7], 32) and d.label() == 16
+    d.start([5, 5])  # the earlier occurrence starts the history: nothing further back
+    assert d.lookup(1) == ([5], 1)
+    assert [match_label(n) for n in (0, 1, 3, 5, 7, 15, 16, 40)] == [0, 1, 3, 4, 6, 8, 16, 16]
 
 
 def test_ngram_never_matches_the_suffix_with_itself():
@@ -87,12 +100,15 @@ def test_ngram_distribution_matches_target(small_ngram, options):
 def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch):
     monkeypatch.setattr(engine, "accept", resample_from_p)
     expected = exact_joint(small_ngram, PROMPT, DEPTH, temperature=1.0)
-    counts = sample_prefixes(small_ngram, PROMPT, DEPTH, N, num_draft=2, temperature=1.0)
+    # Fixed K, as the test above: every round copies, whatever the policy would choose.
+    counts = sample_prefixes(
+        small_ngram, PROMPT, DEPTH, N, num_draft=2, adaptive=False, temperature=1.0
+    )
     assert chi_square(expected, counts) < 1e-5
 
 
 def test_adaptive_ngram_distribution_matches_target(small_ngram, costs):
-    """Adaptive K per match length (copies up to 2 x num_draft), at temperature 1."""
+    """Adaptive K per match length (copies up to COPY_FACTOR x num_draft), at temperature 1."""
     costs(CHEAP_DRAFT)
     options = {"temperature": 1.0, "min_p": 0.05}
     expected = exact_joint(small_ngram, PROMPT, DEPTH, **options)
@@ -186,7 +202,7 @@ def test_policy_picks_longer_drafts_for_higher_acceptance():
 def test_calibration_measures_positive_costs(pair):
     c = macspec.api.calibrate(pair)
     assert c.plain_step > 0 and c.draft_step > 0 and c.extra >= 0
-    assert [k for k, _ in c.verify] == [1, 2, 4, 8]
+    assert [k for k, _ in c.verify] == [1, 2, 4, 8, 16]
     assert all(t > 0 for _, t in c.verify)
 
 
@@ -222,9 +238,19 @@ def test_policy_prices_k_with_the_measured_passes():
     assert _policy_at(0.16, measured).next_k() == 0
 
 
+def test_policy_starts_each_match_length_from_its_prior():
+    costs = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
+    policy = AdaptiveK(k_max=4, costs=costs, copy_max=8, priors=COPY_PRIORS)
+    # Before any round: a 1-id match (followed 18% of the time) is not worth a pass of 2 ids,
+    # a match of 16+ ids (93%) is copied as far as allowed; without priors both start at 0.6.
+    assert policy.next_k(1) == 0 and policy.next_k(16) == 8
+    blind = AdaptiveK(k_max=4, costs=costs, copy_max=8)
+    assert blind.next_k(1) >= 1 and blind.next_k(16) == blind.best_k(1)
+
+
 def test_k_used_per_round_is_reported(pair):
     events = list(macspec.stream_generate(pair, "Report", max_tokens=40, num_draft=5))
-    assert all(0 <= e.num_draft <= 10 for e in events)  # copies: up to 2 x num_draft
+    assert all(0 <= e.num_draft <= COPY_FACTOR * 5 for e in events)  # copies may run longer
     assert all(e.num_draft == len(e.accepted) + len(e.rejected) for e in events)
 
 
