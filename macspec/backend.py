@@ -226,6 +226,20 @@ def device_name() -> str:
     return name or platform.processor() or platform.machine()
 
 
+def cpu_has_avx512() -> bool:
+    """Whether the CPU has AVX-512 (Linux: /proc/cpuinfo; False where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return "avx512f" in flags.split()
+
+
+# OpenBLAS kernel sets built for AVX-512 (its names for them, lower-cased).
+AVX512_OPENBLAS_CORES = ("skylakex", "cooperlake", "sapphirerapids")
+
+
 def total_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -98,6 +98,28 @@ def test_doctor_reports_the_openblas_kernels_in_use():
     assert forced["openblas"] == {"core": "Haswell", "threads": 1}
 
 
+def test_advice_on_avx2_kernels_forced_onto_an_avx512_cpu():
+    from macspec.doctor import advice
+
+    report = {
+        "backend": "cpu",
+        "blas": "openblas",
+        "rows8_over_rows1": 2.5,
+        "openblas": {"core": "Haswell", "threads": 2},
+        "openblas_coretype_env": "Haswell",
+        "cpu_avx512": True,
+    }
+    (note,) = advice(report)
+    assert note.startswith("OPENBLAS_CORETYPE=Haswell forces OpenBLAS's Haswell kernels")
+    # Not forced, an AVX2-only CPU, or AVX-512 kernels forced: nothing to say.
+    for change in (
+        {"openblas_coretype_env": None},
+        {"cpu_avx512": False},
+        {"openblas": {"core": "Cooperlake", "threads": 2}, "openblas_coretype_env": "Cooperlake"},
+    ):
+        assert advice({**report, **change})[0].startswith("fine:")
+
+
 def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     from tinymodels import make_tiny_model
 
