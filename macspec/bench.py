@@ -671,6 +671,7 @@ def bench(
             "backend": be.detect_backend(),
             "device": be.device_name(),
             "blas": blas.describe(),
+            "openblas": be.openblas_details() if blas.kind == "openblas" else None,
             "mlx": getattr(mx, "__version__", "?"),
             "bandwidth_gbs": bandwidth["best"],
             "bandwidth": bandwidth,

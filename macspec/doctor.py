@@ -75,8 +75,8 @@ def advice(report: dict[str, Any]) -> list[str]:
         # Haswell kernels, 38 ms with the Cooperlake ones OpenBLAS picks itself.
         notes.append(
             f"OPENBLAS_CORETYPE={forced} forces OpenBLAS's {core} kernels on a CPU with AVX-512: "
-            "unset it and OpenBLAS picks its AVX-512 kernels (a SmolLM2-135M float32 step on a Zen 5 "
-            "EPYC: 46 ms forced to Haswell, 38 ms with them)."
+            "unset it and OpenBLAS picks its AVX-512 kernels (a SmolLM2-135M float32 step on a "
+            "Zen 5 EPYC: 46 ms forced to Haswell, 38 ms with them)."
         )
     if report["rows8_over_rows1"] > 4:
         notes.append("an 8-row product costs >4x a 1-row one: speculation cannot pay off here.")

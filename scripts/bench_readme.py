@@ -111,15 +111,20 @@ def targets(result: dict, comparison_only: bool = False) -> list[str]:
 def render(result: dict, charts: list[str], comparison_only: bool = False) -> str:
     meta = result["meta"]
     kinds = meta["kinds"]
+    blas = meta["blas"]
+    if meta.get("openblas"):
+        blas += f", {meta['openblas']['core']} kernels, {meta['openblas']['threads']} threads"
+    drafter = meta.get("default_drafter")
+    drafts = f"`{drafter}`" if drafter else "the draft model"
+    repeats = f"{meta['repeats']} repeat" + ("s" if meta["repeats"] != 1 else "")
     out = [
         f"Measured by `macspec bench` on {meta['date'][:10]}: {meta['device']}, backend "
-        f"{meta['backend']}, BLAS {meta['blas']}, mlx {meta['mlx']}; memory bandwidth "
+        f"{meta['backend']}, BLAS {blas}, mlx {meta['mlx']}; memory bandwidth "
         f"{meta['bandwidth_gbs']:.1f} GB/s (copy). Target `{Path(meta['target']).name}` "
         f"({meta['target_weight_bytes'] / 1e6:.0f} MB of weights), draft "
         f"`{Path(meta['draft']).name if meta['draft'] else 'none'}` (macspec adaptive drafts with "
-        f"`{meta.get('default_drafter')}`); {len(meta['prompts'])} "
-        f"prompts ({', '.join(kinds)}), {meta['max_tokens']} tokens max, {meta['repeats']} "
-        f"repeats, seed {meta['seed']}.",
+        f"{drafts}); {len(meta['prompts'])} prompts ({', '.join(kinds)}), "
+        f"{meta['max_tokens']} tokens max, {repeats}, seed {meta['seed']}.",
     ]
     if meta.get("loadavg"):
         out[0] += f" Load average during the run: {meta['loadavg']}."

@@ -224,6 +224,10 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
     assert "old" not in text and "| mlx-lm plain |" in text and "| macspec K=3 |" in text
     assert "![speedup](docs/speedup.png)" in text and (charts / "acceptance.png").is_file()
     assert text.count("never below 0.95x plain (adaptive modes)") == 1
+    assert (
+        "drafts with `model+ngram`); 2 prompts (chat, grounded), 12 tokens max, 2 repeats, seed 0."
+        in text
+    )
     # A second run (e.g. a model draft for the mlx-lm side-by-side) follows with its own tables
     # and only the mlx-lm comparison among the goals.
     assert mod.main([result["files"][0], result["files"][0], "--readme", str(readme)]) == 0
