@@ -530,11 +530,12 @@ def _policy(num_draft: int, costs: Costs) -> AdaptiveK:
 
 def _target(pair: Pair, drafter: Drafter | None) -> Target:
     keep_hidden = getattr(drafter, "needs_hidden", False)
+    taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
     if pair.group is None:
-        return Target(pair.target, pair.vocab_size, keep_hidden)
+        return Target(pair.target, pair.vocab_size, keep_hidden, taps)
     from .distributed import leader_target  # a sharded target: rank 0 leads the other ranks
 
-    return leader_target(pair, keep_hidden)
+    return leader_target(pair, keep_hidden, taps)
 
 
 def _guarded(pair: Pair, steps: Iterator[Round]) -> Iterator[Round]:
@@ -578,7 +579,7 @@ def calibrate(pair: Pair, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16)
     # first passes of a process were measured 25% slower) and is not counted.
     drafter = pair.make_drafter(False)
     cycle = [0, *widths]
-    rounds = run(_Filler(drafter.needs_hidden), cycle * 4)[1 + len(cycle) :]
+    rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
     plain = median(r.verify_time for r in rounds if r.num_draft == 0)
     passes = tuple(
         (n, median(r.verify_time for r in rounds if r.num_draft == n))
@@ -612,8 +613,10 @@ class _Filler:
 
     name = "filler"
 
-    def __init__(self, needs_hidden: bool) -> None:
-        self.needs_hidden = needs_hidden  # the target runs as it will with the real drafter
+    def __init__(self, drafter: Drafter) -> None:
+        # The target runs as it will with the real drafter (hidden states, tapped layers).
+        self.needs_hidden = drafter.needs_hidden
+        self.feature_layers = getattr(drafter, "feature_layers", ())
 
     def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
         pass

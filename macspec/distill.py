@@ -29,230 +29,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from .distill_prompts import TRAIN_PROMPTS
 from .errors import MacspecError, ModelError, OptionError, PromptError
 
-# Training prompts by kind. The evaluation prompts (macspec.prompts.BUILTIN) are not among them.
-TRAIN_PROMPTS: dict[str, tuple[str, ...]] = {
-    "chat": (
-        "How can I stay focused while working from home?",
-        "What are some healthy breakfast ideas?",
-        "Why do cats purr?",
-        "How do I make a good first impression at a job interview?",
-        "What should I pack for a weekend camping trip?",
-        "How can I save money on groceries?",
-        "What is the best way to start running as a beginner?",
-        "Why is exercise good for mental health?",
-        "How do I deal with stress before an exam?",
-        "What are the benefits of reading books every day?",
-        "How can I improve my public speaking skills?",
-        "What is a good way to organise my week?",
-        "Can you explain what inflation is?",
-        "How do vaccines work?",
-        "What causes the seasons on Earth?",
-        "Why do leaves change colour in autumn?",
-        "How does a refrigerator keep food cold?",
-        "What is the difference between weather and climate?",
-        "How can I be more productive in the morning?",
-        "What are some tips for keeping houseplants alive?",
-        "How do I apologise to a friend I have hurt?",
-        "What are the pros and cons of electric cars?",
-        "How do I choose a good password?",
-        "What is meditation and how do I start?",
-        "Why is drinking water important?",
-        "How can I reduce my screen time?",
-        "What are some fun things to do on a rainy day?",
-        "How does the internet work, in simple terms?",
-        "What is photosynthesis?",
-        "How do airplanes stay in the air?",
-        "What is the difference between a crocodile and an alligator?",
-        "Why do we dream?",
-        "How can I make friends in a new city?",
-        "What are good habits for a healthy heart?",
-        "How should I prepare for a long flight?",
-        "Why is the ocean salty?",
-        "What are the main causes of climate change?",
-        "How can I learn to cook?",
-        "What does a good night routine look like?",
-        "How do I ask my boss for a raise?",
-        "What is artificial intelligence?",
-        "Why do we have time zones?",
-        "How can I help the environment at home?",
-        "What is the difference between a star and a planet?",
-        "How do bees make honey?",
-        "What are some tips for writing a good essay?",
-        "How can I stop procrastinating?",
-        "What is the best way to memorise new words?",
-    ),
-    "instruction": (
-        "List five fruits that are high in vitamin C.",
-        "Give me three ideas for a birthday party for a ten-year-old.",
-        "Summarise the water cycle in a few sentences.",
-        "Write a short thank-you note to a teacher.",
-        "Explain how to change a flat tyre, step by step.",
-        "Translate 'good morning, how are you?' into French and Spanish.",
-        "Write a polite email asking a colleague to send a report by Friday.",
-        "Describe the steps to plant a tree.",
-        "Give me a simple recipe for tomato soup.",
-        "Make a packing list for a beach holiday.",
-        "Explain the rules of chess briefly.",
-        "Write three interview questions for a software engineer.",
-        "List the planets of the solar system in order.",
-        "Give me a workout plan for three days a week.",
-        "Write a product description for a reusable water bottle.",
-        "Explain how to make a cup of tea.",
-        "Give me five tips for a job resume.",
-        "Write an agenda for a one-hour team meeting.",
-    ),
-    "code": (
-        "Write a Python function that reverses a string.",
-        "Write a Python function to compute the factorial of a number.",
-        "Write a Python program that prints the Fibonacci numbers below 100.",
-        "How do I read a text file line by line in Python?",
-        "Write a JavaScript function that checks whether a string is a palindrome.",
-        "Explain what a Python list comprehension is, with an example.",
-        "Write a Python class for a simple bank account with deposit and withdraw methods.",
-        "Write a SQL query that counts the orders per customer.",
-        "What is the difference between a list and a tuple in Python?",
-        "Write a bash script that counts the files in a directory.",
-        "Write a Python function that sorts a list of dictionaries by a key.",
-        "Explain recursion with a simple example in Python.",
-        "Write a function in C that returns the maximum of an array of integers.",
-        "How do I handle exceptions in Python?",
-    ),
-    "story": (
-        "Write a short story about a robot who learns to paint.",
-        "Tell me a story about a dragon who is afraid of the dark.",
-        "Write a story about two friends lost in a forest.",
-        "Write a short poem about the sea.",
-        "Write a bedtime story about a little bear.",
-        "Tell a funny story about a cat and a dog.",
-        "Write a short story that starts with a knock on the door at midnight.",
-        "Write a poem about autumn leaves.",
-        "Write a story about a girl who can talk to birds.",
-        "Describe a day in the life of a farmer.",
-        "Write a short fairy tale about a magic key.",
-        "Write a haiku about the moon.",
-    ),
-    "facts": (
-        "Who was Marie Curie?",
-        "Tell me about the history of the Roman Empire.",
-        "What is the capital of Australia and what is it known for?",
-        "Explain how the heart pumps blood.",
-        "What is the Great Wall of China?",
-        "Who invented the telephone?",
-        "What are black holes?",
-        "Describe the life cycle of a butterfly.",
-        "What is DNA?",
-        "Tell me about the Amazon rainforest.",
-        "What is the theory of evolution?",
-        "How were the pyramids of Egypt built?",
-        "What is the speed of light?",
-        "Tell me some facts about elephants.",
-    ),
-}
-
-# Topics x question forms: hundreds of varied contexts cost nothing to write, and the held-out gap
-# of the first draft (0.86 agreement on training prompts, 0.30 on others) showed that prompt
-# variety, not the number of samples per prompt, limited it.
-_TOPICS = (
-    "volcanoes",
-    "the moon landing",
-    "compound interest",
-    "sourdough bread",
-    "solar panels",
-    "the French Revolution",
-    "honeybees",
-    "machine learning",
-    "recycling plastic",
-    "jazz music",
-    "the human immune system",
-    "earthquakes",
-    "coffee",
-    "the printing press",
-    "octopuses",
-    "renewable energy",
-    "the stock market",
-    "ancient Greece",
-    "rainbows",
-    "sleep",
-    "electric guitars",
-    "the water cycle",
-    "chess openings",
-    "glaciers",
-    "photosynthesis in algae",
-    "the Silk Road",
-    "vaccination",
-    "bicycles",
-    "cloud computing",
-    "coral reefs",
-    "the Olympic Games",
-    "tea ceremonies",
-    "nuclear fusion",
-    "the Internet of Things",
-    "wolves",
-    "minimalism",
-    "the Renaissance",
-    "hurricanes",
-    "blockchains",
-    "volunteering",
-)
-_FORMS = (
-    "Explain {} to a ten-year-old.",
-    "What are three surprising facts about {}?",
-    "Write a short paragraph about {} for a school newsletter.",
-    "What are the advantages and disadvantages of {}?",
-    "Give me a quick summary of the history of {}.",
-    "Write a haiku about {}.",
-)
-_CODE_TASKS = (
-    "removes duplicates from a list while keeping the order",
-    "counts the words in a sentence",
-    "checks whether a year is a leap year",
-    "merges two sorted lists",
-    "converts Celsius to Fahrenheit",
-    "finds the second largest number in a list",
-    "returns the n-th triangular number",
-    "validates an email address with a regular expression",
-    "flattens a nested list",
-    "computes the average of the values in a dictionary",
-    "capitalises the first letter of every word",
-    "returns the longest word in a text",
-)
-_LANGUAGES = ("Python", "JavaScript", "Go")
-_TEXTS = (
-    "The museum will close for renovation from June to September. During this time the "
-    "collection will travel to three other cities. Members keep their benefits and can visit "
-    "the partner museums for free. The new building adds a cafe, a library and a hall for "
-    "children's workshops.",
-    "our team finished the first version of the app last week. testers found twelve bugs, "
-    "most of them small layout problems on older phones. two bugs crash the app when the "
-    "network is slow. we plan to fix everything by the end of the month and then release it.",
-    "Scientists tracked 40 sea turtles for two years with small satellite tags. The turtles "
-    "swam up to 3,000 kilometres between feeding areas and the beaches where they were born. "
-    "The study shows that protecting a few coastal areas could help the whole population.",
-    "Dear customer, your order 5521 has been shipped and should arrive within five working "
-    "days. If a part is missing or damaged, reply to this message with a photo and we will "
-    "send a replacement. Thank you for shopping with us.",
-)
-_TASKS = (
-    "Summarise this text in two sentences.",
-    "Rewrite this text in a formal tone.",
-    "List the key facts in this text as bullet points.",
-    "Write three questions that this text answers.",
-)
-TRAIN_PROMPTS["varied"] = tuple(f.format(t) for t in _TOPICS for f in _FORMS)
-TRAIN_PROMPTS["varied code"] = tuple(
-    f"Write a {lang} function that {task}." for task in _CODE_TASKS for lang in _LANGUAGES
-)
-TRAIN_PROMPTS["grounded"] = tuple(f"{task}\n\n{text}" for text in _TEXTS for task in _TASKS)
-
-# Temperatures of the rows sampled for one prompt: one greedy row (the aim is greedy acceptance)
-# and a spread of sampled ones, so the draft sees the contexts it meets at every temperature.
+# Temperatures of the rows sampled for one prompt, cycle by cycle: the first cycle gives every
+# prompt its greedy row (the aim is greedy acceptance; greedy rows repeat, so one is enough) and a
+# row at 0.7, the usual chat setting; later cycles spread over 0.2-1.0, so the draft meets the
+# contexts of every setting.
 TEMPERATURE_CYCLES = (
-    (0.0, 0.5, 0.8, 1.0),
-    (0.3, 0.6, 0.7, 0.9),
-    (0.2, 0.7, 1.0, 1.0),
-    (0.4, 0.6, 0.8, 0.9),
+    (0.0, 0.7),
+    (0.4, 1.0),
+    (0.2, 0.8),
+    (0.6, 0.9),
 )
 
 
@@ -285,17 +73,34 @@ def _save_atomic(path: Path, arrays: dict[str, mx.array], metadata: dict | None 
     os.replace(tmp, path)
 
 
-def _trunk(model: Any, inputs: mx.array, cache: list, mask: mx.array) -> mx.array:
-    """The decoder trunk with an explicit boolean attention mask (for left-padded batches).
+def feature_taps(num_layers: int) -> tuple[int, ...]:
+    """Decoder layers whose outputs the data keeps besides the final features: a low, a middle
+    and a high one (EAGLE-3's choice: 2, n/2, n-3). The final features say what the target
+    predicts; earlier layers still hold what the context was, which predicting the token after
+    next needs."""
+    last = num_layers - 2  # the last layer's output is the final features before their norm
+    if last < 0:
+        return ()
+    return tuple(sorted({min(2, last), min(num_layers // 2, last), max(num_layers - 3, 0)}))
+
+
+def _trunk(
+    model: Any, inputs: mx.array, cache: list, mask: mx.array, taps: tuple[int, ...] = ()
+) -> tuple[mx.array, list[mx.array]]:
+    """The decoder trunk with an explicit boolean attention mask (for left-padded batches):
+    (final normed features, the outputs of the layers in `taps`).
 
     RoPE scores depend only on relative positions, so a left-padded row whose pad columns are
     masked out sees exactly what it would see alone. Needs the mlx-lm layout every llama-like
     model uses: model.model.embed_tokens / layers / norm, layer(h, mask, cache)."""
     inner = model.model
     h = inner.embed_tokens(inputs)
-    for layer, c in zip(inner.layers, cache, strict=True):
+    tapped = []
+    for i, (layer, c) in enumerate(zip(inner.layers, cache, strict=True)):
         h = layer(h, mask, cache=c)
-    return inner.norm(h)
+        if i in taps:
+            tapped.append(h)
+    return inner.norm(h), tapped
 
 
 def sample_rows(
@@ -305,11 +110,13 @@ def sample_rows(
     max_new: int,
     key: mx.array,
     eos: set[int],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    taps: tuple[int, ...] = (),
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Sample one continuation per (prompt, temperature) row, all rows in one left-padded batch.
 
-    Returns tokens (B, L), hidden (B, L, H) float32 (the target's final hidden state at every
-    position), starts (B,) (first real position) and ends (B,) (one past the last kept id)."""
+    Returns tokens (B, L), hidden (B, L, H) float16 (the target's final hidden state at every
+    position), starts (B,) (first real position), ends (B,) (one past the last kept id) and,
+    with `taps`, the outputs of those layers (B, L, len(taps), H) float16."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from .engine import output_head
@@ -322,8 +129,8 @@ def sample_rows(
     real = mx.array(np.arange(width)[None] >= starts[:, None])  # (B, width) non-pad columns
     causal = mx.tril(mx.ones((width, width), dtype=mx.bool_))
     cache = make_prompt_cache(model)
-    h = _trunk(model, mx.array(padded), cache, (causal[None] & real[:, None, :])[:, None])
-    hidden, tokens = [h.astype(mx.float16)], []
+    h, t = _trunk(model, mx.array(padded), cache, (causal[None] & real[:, None, :])[:, None], taps)
+    hidden, tapped, tokens = [h.astype(mx.float16)], [t], []
     t = mx.array(temps, dtype=mx.float32)
     greedy, safe_t = t == 0, mx.where(t == 0, 1.0, t)[:, None]
     for step_key in mx.random.split(key, max_new):
@@ -331,10 +138,11 @@ def sample_rows(
         sampled = mx.random.categorical(logits / safe_t, key=step_key)
         nxt = mx.where(greedy, mx.argmax(logits, axis=-1), sampled).astype(mx.int32)
         real = mx.concatenate([real, mx.ones((rows, 1), mx.bool_)], axis=1)
-        h = _trunk(model, nxt[:, None], cache, real[:, None, None, :])
+        h, layers = _trunk(model, nxt[:, None], cache, real[:, None, None, :], taps)
         tokens.append(nxt)
         hidden.append(h.astype(mx.float16))
-        mx.eval(nxt, hidden[-1])
+        tapped.append([x.astype(mx.float16) for x in layers])
+        mx.eval(nxt, hidden[-1], tapped[-1])
     gen = np.array(mx.stack(tokens, axis=1))
     ends = np.full(rows, width + max_new, np.int32)
     for r in range(rows):
@@ -342,7 +150,33 @@ def sample_rows(
         if stop.size:
             ends[r] = width + stop[0] + 1  # keep the EOS: predicting it matters
     full = np.concatenate([padded, gen], axis=1)
-    return full, np.array(mx.concatenate(hidden, axis=1).astype(mx.float32)), starts, ends
+    layers = None
+    if taps:  # (B, L, taps, H): per step a list over taps of (B, n, H)
+        per_step = [mx.stack(step, axis=2) for step in tapped]
+        layers = np.array(mx.concatenate(per_step, axis=1))
+    return full, np.array(mx.concatenate(hidden, axis=1)), starts, ends, layers
+
+
+# Rows sampled together: 64 rows ran at 145 tokens/s on 2 cores, 32 at 126, 128 at 158.
+DATA_ROWS = 64
+
+
+def parse_feature_layers(value: str, num_layers: int) -> tuple[int, ...]:
+    """--feature-layers: "auto", "none" or comma-separated indices of the target's layers."""
+    if value == "auto":
+        return feature_taps(num_layers)
+    if value == "none":
+        return ()
+    try:
+        taps = tuple(sorted({int(v) for v in value.split(",")}))
+    except ValueError:
+        taps = ()
+    if not taps or not all(0 <= t < num_layers - 1 for t in taps):
+        raise OptionError(
+            f"invalid feature_layers={value!r}: 'auto', 'none' or comma-separated layer "
+            f"indices from 0 to {num_layers - 2} (the target has {num_layers} layers)"
+        )
+    return taps
 
 
 def data_jobs(prompts: list[list[int]], seed: int, rows: int) -> list[list[tuple[int, float]]]:
@@ -353,11 +187,15 @@ def data_jobs(prompts: list[list[int]], seed: int, rows: int) -> list[list[tuple
     rng = np.random.default_rng(seed)
     jobs: list[list[tuple[int, float]]] = []
     for temps in TEMPERATURE_CYCLES:
-        order = rng.permutation(len(prompts))
-        # Similar lengths together: less padding to compute.
-        order = sorted(order, key=lambda i: len(prompts[i]) // 16)
-        cells = [(int(i), t) for i in order for t in temps]
-        jobs += [cells[k : k + rows] for k in range(0, len(cells), rows)]
+        order = rng.permutation(len(prompts)).tolist()
+        # Similar lengths together (less padding to compute), but only within windows of 8
+        # batches: sorting a whole cycle would put every short prompt first, and a run that
+        # stops part-way through a cycle would then have seen only those.
+        window = max(1, 8 * rows // len(temps))
+        for w in range(0, len(order), window):
+            part = sorted(order[w : w + window], key=lambda i: len(prompts[i]))
+            cells = [(i, t) for i in part for t in temps]
+            jobs += [cells[k : k + rows] for k in range(0, len(cells), rows)]
     return jobs
 
 
@@ -368,12 +206,13 @@ def generate_data(
     *,
     tokens: int,
     seed: int,
-    rows: int = 32,
+    rows: int = 64,
     max_new: int = 128,
+    taps: tuple[int, ...] = (),
     progress: bool = True,
 ) -> tuple[int, int]:
     """Write shards until they hold `tokens` generated tokens; existing shards are kept (resume).
-    Returns (generated tokens, shards used).
+    Returns (generated tokens, shards used). With `taps`, shards also keep those layers' outputs.
 
     Shard j is job j of a seeded plan with its own key, so a resumed run makes the same data."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -388,17 +227,19 @@ def generate_data(
             job = jobs[j % len(jobs)]
             key = mx.random.key(seed * 1_000_003 + j)
             batch = [prompts[i] for i, _ in job]
-            toks, hid, starts, ends = sample_rows(
-                pair.target, batch, [t for _, t in job], max_new, key, eos
+            toks, hid, starts, ends, layers = sample_rows(
+                pair.target, batch, [t for _, t in job], max_new, key, eos, taps
             )
             width = toks.shape[1] - max_new
             meta = {"generated": int((ends - width).sum())}
             arrays = {
                 "tokens": mx.array(toks),
-                "hidden": mx.array(hid).astype(mx.float16),
+                "hidden": mx.array(hid),
                 "starts": mx.array(starts),
                 "ends": mx.array(ends),
             }
+            if layers is not None:
+                arrays["layers"] = mx.array(layers)
             _save_atomic(shard, arrays, {k: str(v) for k, v in meta.items()})
             made += meta["generated"]
         have += meta["generated"]
@@ -442,9 +283,14 @@ def _bar(label: str, done: float, total: float, extra: str) -> None:
 class Dataset:
     """Rows of (ids, features) from the shards, with the first position whose loss counts."""
 
-    def __init__(self, data_dir: Path, max_new: int, shards: int | None = None):
+    def __init__(
+        self, data_dir: Path, max_new: int, shards: int | None = None, layers: bool = False
+    ):
+        """`layers`: rows carry the tapped layer outputs before the final features
+        ((len(taps) + 1) * hidden wide), for drafts with feature_layers."""
         self.ids: list[np.ndarray] = []
         self.feats: list[np.ndarray] = []
+        self.hidden_size = 0
         self.first: list[int] = []  # draft positions before this predict prompt ids: no loss
         self.prompt: list[int] = []  # which prompt each row continues (a hash of its ids)
         # Only the shards this run counted: a longer earlier run may have left more.
@@ -453,6 +299,15 @@ class Dataset:
             arrays = mx.load(str(shard))
             toks = np.array(arrays["tokens"])
             hid = np.array(arrays["hidden"])  # float16
+            self.hidden_size = hid.shape[-1]
+            if layers:
+                if "layers" not in arrays:
+                    raise MacspecError(
+                        f"{shard} holds no layer outputs (sampled without feature layers): "
+                        "start a new run for a draft with feature layers"
+                    )
+                tapped = np.array(arrays["layers"])  # (B, L, taps, H)
+                hid = np.concatenate([tapped.reshape(*tapped.shape[:2], -1), hid], axis=-1)
             starts, ends = np.array(arrays["starts"]), np.array(arrays["ends"])
             width = toks.shape[1] - max_new
             for r in range(toks.shape[0]):
@@ -481,7 +336,13 @@ class Dataset:
 
     def feature_stats(self, limit: int = 200_000) -> tuple[mx.array, mx.array]:
         """Mean and standard deviation of the target's features, per dimension."""
-        f = np.concatenate(self.feats)[:limit].astype(np.float32)
+        rows, n = [], 0
+        for f in self.feats:
+            if n >= limit:
+                break
+            rows.append(f)
+            n += len(f)
+        f = np.concatenate(rows)[:limit].astype(np.float32)
         return mx.array(f.mean(0)), mx.array(f.std(0) + 1e-3)
 
     def tokens(self) -> int:
@@ -491,15 +352,15 @@ class Dataset:
         """(features (B, L, H), next ids (B, L), target features (B, L, H), flat indices of the
         positions whose loss counts) for draft positions t = 0..L-1 of each row, right-padded."""
         length = max(len(self.ids[r]) - 1 for r in rows)
-        h = self.feats[rows[0]].shape[1]
-        feats = np.zeros((len(rows), length, h), np.float32)
-        target = np.zeros_like(feats)
+        width, h = self.feats[rows[0]].shape[1], self.hidden_size
+        feats = np.zeros((len(rows), length, width), np.float32)
+        target = np.zeros((len(rows), length, h), np.float32)
         nxt = np.zeros((len(rows), length), np.int32)
         mask = np.zeros((len(rows), length), np.float32)
         for b, r in enumerate(rows):
             n = len(self.ids[r]) - 1
             feats[b, :n] = self.feats[r][:-1]
-            target[b, :n] = self.feats[r][1:]
+            target[b, :n] = self.feats[r][1:, -h:]  # the next position's final features
             nxt[b, :n] = self.ids[r][1:]
             mask[b, self.first[r] : n] = 1.0
         where = mx.array(np.nonzero(mask.reshape(-1))[0].astype(np.int32))
@@ -540,20 +401,71 @@ def _loss(
     p = mx.softmax(tgt @ head.T, axis=-1)  # the target's distribution over the draft's ids
     best = mx.argmax(p, axis=-1)
     total, agree = mx.array(0.0), mx.array(0.0)
-    inputs = feats
-    for step in range(unroll):
-        g = draft(inputs, embeds)
-        gk = g.reshape(-1, h)[where]
+    for step, out in enumerate(unrolled(draft, draft.state(feats), embeds, unroll)):
+        gk = draft.decode(out.reshape(-1, h)[where])
         logq = nn_log_softmax(gk @ head.T)
         ce = -(p * logq).sum(-1)
-        diff = mx.abs(gk - tgt) / draft.feature_std  # in standardised units
+        diff = mx.abs(gk - tgt) / draft.feature_std[-h:]  # in standardised units
         reg = mx.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)  # smooth L1
         total = total + (ce + reg_weight * reg).mean()
         if step == 0:
             agree = (mx.argmax(logq, axis=-1) == best).mean()
-        # Position t now reads g_{t-1} (the prediction of f_t) in place of f_t.
-        inputs = mx.concatenate([feats[:, :1], g[:, :-1]], axis=1)
     return total / unroll, agree
+
+
+def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[mx.array]:
+    """The draft's outputs (standardised predictions) for `steps` drafting steps from every
+    position at once, each attending exactly as it does when drafting (EAGLE-3's
+    "training-time test").
+
+    Step s at position t stands for the s-th draft token after anchor j = t - s, the last
+    position the target ran: its state is step s-1's output at t-1, and it attends to step 0's
+    keys up to j (the draft cache holds real positions there) and to step r's key at j + r for
+    r = 1..s (the positions this proposal fed). Attending to all of step s's own keys instead
+    would train later positions on contexts of nothing but guesses, which drafting never sees."""
+    block, attn = draft.layer, draft.layer.self_attn
+    b, n, _ = embeds.shape
+    e = draft.embed_norm(embeds)
+    pos = mx.arange(n)
+    repeat = attn.n_heads // attn.n_kv_heads
+    keys: list[mx.array] = []
+    values: list[mx.array] = []
+    outs = []
+
+    def heads(x: mx.array, count: int) -> mx.array:
+        return x.reshape(b, n, count, -1).transpose(0, 2, 1, 3)
+
+    def shifted(x: mx.array, by: int) -> mx.array:  # x[t - by] at t (zeros before the start)
+        if by == 0:
+            return x
+        return mx.concatenate([mx.zeros_like(x[:, :, :by]), x[:, :, : n - by]], axis=2)
+
+    for s in range(steps):
+        x = draft.fc(mx.concatenate([e, state], axis=-1))
+        h = block.input_layernorm(x)
+        q = attn.rope(heads(attn.q_proj(h), attn.n_heads)) * attn.scale
+        keys.append(mx.repeat(attn.rope(heads(attn.k_proj(h), attn.n_kv_heads)), repeat, axis=1))
+        values.append(mx.repeat(heads(attn.v_proj(h), attn.n_kv_heads), repeat, axis=1))
+        # Real keys up to the anchor (at least key 0, so rows without an anchor stay finite;
+        # their positions carry no loss).
+        real = pos[None, :] <= mx.maximum(pos[:, None] - s, 0)
+        scores = [mx.where(real, q @ keys[0].transpose(0, 1, 3, 2), -mx.inf)]
+        diag = []
+        for r in range(1, s + 1):
+            k_r, v_r = shifted(keys[r], s - r), shifted(values[r], s - r)
+            score = (q * k_r).sum(-1, keepdims=True)
+            scores.append(mx.where((pos >= s - r)[:, None], score, -mx.inf))
+            diag.append(v_r)
+        w = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+        o = w[..., :n] @ values[0]
+        for r, v_r in enumerate(diag):
+            o = o + w[..., n + r : n + r + 1] * v_r
+        x = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        out = x + block.mlp(block.post_attention_layernorm(x))
+        outs.append(out)
+        # Position t's next state: this step's prediction made at t - 1.
+        state = mx.concatenate([state[:, :1], out[:, :-1]], axis=1)
+    return outs
 
 
 def nn_log_softmax(x: mx.array) -> mx.array:
@@ -676,15 +588,13 @@ def agreement(draft: Any, parts: Any, data: Dataset, rows: list[int], unroll: in
         h = target.shape[-1]
         embeds = parts.embed(nxt)
         best = mx.argmax(target.reshape(-1, h)[where] @ parts.head.T, axis=-1)
-        inputs = feats
-        for step in range(unroll):
-            g = draft(inputs, embeds)
-            hit = (mx.argmax(g.reshape(-1, h)[where] @ parts.head.T, axis=-1) == best).sum()
+        for step, pred in enumerate(unrolled(draft, draft.state(feats), embeds, unroll)):
+            g = draft.decode(pred.reshape(-1, h)[where])
+            hit = (mx.argmax(g @ parts.head.T, axis=-1) == best).sum()
             if len(out) <= step:
                 out.append([0.0, 0.0])
             out[step][0] += hit.item()
             out[step][1] += where.size
-            inputs = mx.concatenate([feats[:, :1], g[:, :-1]], axis=1)
     return [round(a / max(n, 1), 4) for a, n in out]
 
 
@@ -860,6 +770,7 @@ def distill(
     vocab: int = 8192,
     max_new: int = 128,
     unroll: int = 2,
+    feature_layers: str | None = None,
     eval_tokens: int = 96,
     init: str | None = None,
     force: bool = False,
@@ -871,6 +782,10 @@ def distill(
     output, so an interrupted run continues with resume=True. `init` (a draft directory or store
     name) continues training an existing eagle draft for this target on this run's data: its
     weights, vocabulary and feature statistics are the starting point (`vocab` is not used).
+    `feature_layers`: "auto" (a low, a middle and a high layer, as EAGLE-3), "none" (the final
+    features only) or comma-separated layer indices; by default "auto", or with `init` the
+    layers that draft reads. An `init` draft reading the final features only can be given
+    layers: it is widened, starting out exactly as it was (see widen_draft).
     Returns the draft's directory."""
     from .api import load
     from .eagle import EagleDraft, TargetParts, draft_config, load_draft, save_draft
@@ -900,6 +815,19 @@ def distill(
         )
     pair = load(target)  # raises ModelError for a missing target
     start_from = None if init is None else _init_draft(init, pair)  # before the long part
+    num_layers = len(pair.target.model.layers)
+    if feature_layers is None:
+        feature_layers = "auto" if start_from is None else "init"
+    taps = (
+        tuple(start_from[0].feature_layers)
+        if feature_layers == "init"
+        else parse_feature_layers(feature_layers, num_layers)
+    )
+    if start_from is not None and start_from[0].feature_layers not in ((), taps):
+        raise OptionError(
+            f"the draft {start_from[2]} reads target layers {list(start_from[0].feature_layers)}:"
+            f" continue it with those, not feature_layers={feature_layers!r}"
+        )
     ids = training_prompts(pair, prompts)  # raises PromptError for a bad prompt file
     fits = [p for p in ids if len(p) + max_new < pair.context_length]
     if not fits:
@@ -909,8 +837,9 @@ def distill(
         "target": str(pair.target_path),
         "seed": seed,
         "max_new": max_new,
-        "rows": 32,
+        "rows": DATA_ROWS,
         "prompts": len(fits),
+        "feature_layers": list(taps),
         "vocab": vocab,
         "unroll": unroll,
         "epochs": epochs,
@@ -923,7 +852,9 @@ def distill(
     if run_file.is_file():
         before = json.loads(run_file.read_text())
         changed = [
-            k for k in ("seed", "max_new", "rows", "prompts") if before.get(k) != settings[k]
+            k
+            for k in ("seed", "max_new", "rows", "prompts", "feature_layers")
+            if before.get(k, [] if k == "feature_layers" else None) != settings[k]
         ]
         if changed:
             raise OptionError(
@@ -934,12 +865,20 @@ def distill(
     t0 = time.perf_counter()
     _say(f"sampling {tokens} tokens from {pair.target_path.name} into {work / 'data'}")
     _, shards = generate_data(
-        pair, fits, work / "data", tokens=tokens, seed=seed, max_new=max_new, progress=progress
+        pair,
+        fits,
+        work / "data",
+        tokens=tokens,
+        seed=seed,
+        rows=DATA_ROWS,
+        max_new=max_new,
+        taps=taps,
+        progress=progress,
     )
     data_seconds = time.perf_counter() - t0
-    data = Dataset(work / "data", max_new, shards)
+    data = Dataset(work / "data", max_new, shards, layers=bool(taps))
     train_rows, held = data.split()
-    config = draft_config(pair.target)
+    config = draft_config(pair.target, taps)
     mx.random.seed(seed)
     if start_from is None:
         vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
@@ -947,6 +886,8 @@ def distill(
         draft.init_from_features(*data.feature_stats())
     else:
         draft, vocab_ids = start_from[0], start_from[1]
+        if taps and not draft.feature_layers:
+            draft = widen_draft(draft, config, data.feature_stats())
     parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
     before = agreement(draft, parts, data, held, unroll)
     t1 = time.perf_counter()
@@ -999,6 +940,31 @@ def distill(
     shutil.copytree(staged, out)
     _say(f"wrote {out}")
     return out
+
+
+def widen_draft(draft: Any, config: dict, stats: tuple[mx.array, mx.array]) -> Any:
+    """A draft that reads the tapped layers of `config` too, made from one that reads the final
+    features only: the same layer and fc, the tapped layers standardised with the data's
+    statistics, and a projection that starts by passing the final features through, so it
+    predicts exactly what `draft` did until training teaches it to use the other layers."""
+    from mlx.utils import tree_unflatten
+
+    from .eagle import EagleDraft
+
+    wide = EagleDraft(config)
+    h = draft.hidden_size
+    width = wide.feature_mean.size
+    kept = [(k, v) for k, v in _params(draft) if not k.startswith("feature_")]
+    wide.update(tree_unflatten(kept))
+    mean, std = stats
+    wide.init_from_features(
+        mx.concatenate([mean[: width - h], draft.feature_mean]),
+        mx.concatenate([std[: width - h], draft.feature_std]),
+    )
+    wide.proj.weight = mx.concatenate([mx.zeros((h, width - h)), mx.eye(h)], axis=1)
+    wide.proj.bias = mx.zeros((h,))
+    mx.eval(wide.parameters())
+    return wide
 
 
 def _init_draft(init: str, pair: Any) -> tuple[Any, list[int], Path]:
@@ -1077,6 +1043,13 @@ def register(subparsers: Any) -> None:
         type=int,
         default=2,
         help="training passes on the draft's own predicted features",
+    )
+    p.add_argument(
+        "--feature-layers",
+        default=None,
+        help="target layers the draft reads besides the final features: auto (a low, a middle "
+        "and a high one; the default), none, or indices such as 2,15,27 (with --init: that "
+        "draft's layers, or layers for a draft that has none)",
     )
     p.add_argument("--eval-tokens", type=int, default=96, help="tokens per evaluation prompt")
     p.add_argument(

@@ -286,8 +286,17 @@ def _check_divisible(model: nn.Module, path: Path, size: int) -> None:
 class LeaderTarget(Target):
     """Rank 0's target: each operation is first sent to the other ranks, which mirror it."""
 
-    def __init__(self, link: Link, model: nn.Module, vocab_size: int, keep_hidden: bool):
-        super().__init__(model, vocab_size, keep_hidden)
+    def __init__(
+        self,
+        link: Link,
+        model: nn.Module,
+        vocab_size: int,
+        keep_hidden: bool,
+        taps: tuple[int, ...] = (),
+    ):
+        # Only rank 0 keeps tapped layer outputs: tapping adds no collective, so the other ranks
+        # run the same all-reduces with plain hidden states.
+        super().__init__(model, vocab_size, keep_hidden, taps)
         self.link = link
         link.target = self
         self._rewind = -1  # a rewind the other ranks still have to apply
@@ -334,13 +343,13 @@ def timed_all_sum(link: Link) -> Iterator[None]:
         mx.distributed.all_sum = orig
 
 
-def leader_target(pair: Any, keep_hidden: bool) -> LeaderTarget:
+def leader_target(pair: Any, keep_hidden: bool, taps: tuple[int, ...] = ()) -> LeaderTarget:
     if not is_leader(pair):
         raise DistributedError(
             f"rank {rank(pair)} does not generate: rank 0 does; call "
             "macspec.distributed.serve(pair) on the other ranks"
         )
-    return LeaderTarget(link_of(pair), pair.target, pair.vocab_size, keep_hidden)
+    return LeaderTarget(link_of(pair), pair.target, pair.vocab_size, keep_hidden, taps)
 
 
 def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:

@@ -16,8 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .sampling import sample
 
-# probs = dist(logits_rows, extra_tokens, first_row): the shared sampling distribution.
-DistFn = Callable[[mx.array, mx.array | None, int], mx.array]
+# probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
+# distribution (engine.make_dist; `columns` when the logits cover only some ids).
+DistFn = Callable[..., mx.array]
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Drafter(Protocol):
     name: str
     # True when the drafter reads the target's hidden states (then `hidden` below is given).
     needs_hidden: bool
+    # Optional: decoder layers whose outputs the drafter reads too (joined before the final
+    # hidden state in `hidden`); absent or () = the final hidden state only.
 
     def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
         """Begin a sequence whose context is `prompt` (the target holds all but its last token).
@@ -212,6 +215,7 @@ class HybridDrafter:
     def __init__(self, model: Drafter, ngram: NgramDrafter, min_match: int = 3):
         self.model, self.ngram, self.min_match = model, ngram, min_match
         self.needs_hidden = model.needs_hidden
+        self.feature_layers = getattr(model, "feature_layers", ())
         self.used: Drafter = model
 
     def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:

@@ -60,21 +60,31 @@ class Target:
     """The target model and its KV cache; logits are cut to the ids both models share.
 
     With `keep_hidden`, every forward pass also leaves the last hidden states of the positions
-    it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does)."""
+    it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does);
+    with `taps`, the outputs of those decoder layers come first, the final features last."""
 
-    def __init__(self, model: nn.Module, vocab_size: int, keep_hidden: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        keep_hidden: bool = False,
+        taps: tuple[int, ...] = (),
+    ):
         self.model = model
         self.vocab_size = vocab_size
         self.cache: list = []
         self.keep_hidden = keep_hidden
-        self.hidden: mx.array | None = None  # (positions, hidden_size) of the last forward pass
+        self.taps = tuple(taps)
+        # (positions, (len(taps) + 1) * hidden_size) of the last forward pass
+        self.hidden: mx.array | None = None
 
     def start(self, prompt: list[int]) -> None:
         self.cache = make_prompt_cache(self.model)
         if self.keep_hidden:
             body, chunks = prompt[:-1], []
             for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
-                chunks.append(hidden_states(self.model, mx.array(body[i : i + 512]), self.cache))
+                ids = mx.array(body[i : i + 512])
+                chunks.append(hidden_states(self.model, ids, self.cache, self.taps))
                 mx.eval(chunks[-1])
             self.hidden = mx.concatenate(chunks) if chunks else None
         else:
@@ -87,18 +97,52 @@ class Target:
     def logits(self, tokens: mx.array) -> mx.array:
         if not self.keep_hidden:
             return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
-        self.hidden = hidden_states(self.model, tokens, self.cache)
-        return output_head(self.model, self.hidden)[:, : self.vocab_size]
+        self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
+        final = self.hidden[:, -self.model.args.hidden_size :] if self.taps else self.hidden
+        return output_head(self.model, final)[:, : self.vocab_size]
 
     def trim_to(self, length: int) -> None:
         trim_prompt_cache(self.cache, self.offset - length)
 
 
-def hidden_states(model: nn.Module, tokens: mx.array, cache: list) -> mx.array:
-    """Final (normed) hidden states (n, hidden) of an mlx-lm decoder: `model.model` is the trunk."""
+def hidden_states(
+    model: nn.Module, tokens: mx.array, cache: list, taps: tuple[int, ...] = ()
+) -> mx.array:
+    """Final (normed) hidden states (n, hidden) of an mlx-lm decoder: `model.model` is the trunk.
+
+    With `taps`, the outputs of those decoder layers are joined before them: (n, (len(taps) + 1)
+    * hidden). The layers are wrapped for the call rather than re-implementing the trunk, so any
+    mlx-lm architecture whose trunk runs `model.model.layers` in order is tapped exactly."""
+    width = model.args.hidden_size * (len(taps) + 1)
     if tokens.size == 0:
-        return mx.zeros((0, model.args.hidden_size))
-    return model.model(tokens[None], cache=cache)[0]
+        return mx.zeros((0, width))
+    if not taps:
+        return model.model(tokens[None], cache=cache)[0]
+    layers, tapped = model.model.layers, []
+    originals = {i: layers[i] for i in taps}
+    try:
+        for i, layer in originals.items():
+            layers[i] = _Tap(layer, tapped)
+        final = model.model(tokens[None], cache=cache)[0]
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
+    return mx.concatenate([*(t[0] for t in tapped), final], axis=-1)
+
+
+class _Tap:
+    """Calls a decoder layer and keeps its output (hidden_states' taps)."""
+
+    def __init__(self, layer: nn.Module, out: list) -> None:
+        self.layer, self.out = layer, out
+
+    def __getattr__(self, name: str):  # the trunk may read a layer's attributes (use_sliding)
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        h = self.layer(*args, **kwargs)
+        self.out.append(h)
+        return h
 
 
 def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
@@ -109,14 +153,25 @@ def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
 
 
 def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
-    """The sampling distribution for rows that follow `history` + extra[:first_row + r]."""
+    """The sampling distribution for rows that follow `history` + extra[:first_row + r].
 
-    def dist(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array:
-        windows = None
-        if opts.repetition_penalty != 1.0:
-            rows = first_row + logits.shape[0]
-            windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
-        return distribution(logits, opts, windows)
+    `columns` (optional) says the logits cover only some ids: it maps every id to its column,
+    or to len(columns of logits) for an id they lack (a drafter with its own smaller
+    vocabulary); the missing ids then have probability 0, as they would with logits of -inf."""
+
+    def dist(
+        logits: mx.array, extra: mx.array | None, first_row: int, columns: mx.array | None = None
+    ) -> mx.array:
+        if opts.repetition_penalty == 1.0:
+            return distribution(logits, opts)
+        rows = first_row + logits.shape[0]
+        windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
+        if columns is None:
+            return distribution(logits, opts, windows)
+        # Ids outside the logits point at one extra column of -inf, dropped afterwards.
+        pad = mx.full((logits.shape[0], 1), -mx.inf, dtype=logits.dtype)
+        probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
+        return probs[:, :-1]
 
     return dist
 

@@ -15,7 +15,7 @@ from macspec import distill as d
 from macspec.cli import main
 from macspec.compat import check
 from macspec.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
-from macspec.errors import ModelError, OptionError, PromptError
+from macspec.errors import MacspecError, ModelError, OptionError, PromptError
 from macspec.store import _acceptance
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
@@ -236,3 +236,68 @@ def test_bad_inputs_give_clear_errors(run, tmp_path, capsys):
     code = main(["distill", str(tmp_path / "missing"), "-o", str(tmp_path / "o6")])
     assert code == 1
     assert "macspec: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("feature_layers", [(), (0,)], ids=["final features", "tapped layer"])
+def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layers):
+    """Training's unrolled steps (EAGLE-3's training-time test) equal what the drafter computes
+    with its cache: step s at position t = the s-th draft token after anchor t - s, attending to
+    the real positions up to the anchor and to its own earlier drafted positions only."""
+    from mlx_lm.models.cache import KVCache
+
+    from macspec.engine import hidden_states
+
+    target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
+    mx.random.seed(3)
+    draft = EagleDraft(draft_config(target, feature_layers))
+    ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
+    feats = hidden_states(target, ids[:-1], None, feature_layers)[None]
+    embeds = target.model.embed_tokens(ids[1:])[None]
+    outs = d.unrolled(draft, draft.state(feats), embeds, 3)
+    for anchor in (0, 2, 5):
+        cache = KVCache()
+        out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
+        out = out[:, -1:]
+        assert mx.allclose(out[0, 0], outs[0][0, anchor], atol=1e-4).item()
+        for s in (1, 2):
+            t = anchor + s
+            out = draft.step(out, embeds[:, t : t + 1], cache)
+            assert mx.allclose(out[0, 0], outs[s][0, t], atol=1e-4).item(), (anchor, s)
+
+
+def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
+    """With taps, each shard row holds the target's own layer outputs at every position (left
+    padding is exact there too), and Dataset joins them before the final features."""
+    from macspec.engine import hidden_states
+
+    pair = macspec.load(run[0])
+    taps = d.feature_taps(len(pair.target.model.layers))
+    assert taps == (0,)  # 2 layers: the last one's output is the final features before the norm
+    prompts = d.training_prompts(pair)[:3]
+    d.generate_data(
+        pair, prompts, tmp_path, tokens=30, seed=3, rows=4, max_new=8, taps=taps, progress=False
+    )
+    shard = mx.load(str(tmp_path / "shard-00000.safetensors"))
+    row = 2
+    s, e = shard["starts"][row].item(), shard["ends"][row].item()
+    want = hidden_states(pair.target, shard["tokens"][row, s:e], None, taps)
+    got = mx.concatenate([shard["layers"][row, s:e, 0], shard["hidden"][row, s:e]], axis=-1)
+    assert mx.allclose(want, got.astype(mx.float32), atol=2e-2).item()
+    data = d.Dataset(tmp_path, 8, layers=True)
+    assert data.feats[0].shape[1] == 2 * data.hidden_size
+    untapped = tmp_path / "untapped"
+    d.generate_data(pair, prompts, untapped, tokens=10, seed=3, rows=4, max_new=8, progress=False)
+    with pytest.raises(MacspecError, match="no layer outputs"):
+        d.Dataset(untapped, 8, layers=True)
+
+
+def test_a_partial_data_cycle_covers_prompts_of_every_length():
+    """Batches group similar lengths only within windows, so the first shards of a run that
+    stops early are not all short prompts."""
+    rng = np.random.default_rng(0)
+    prompts = [[1] * int(n) for n in rng.integers(5, 300, size=2000)]
+    jobs = d.data_jobs(prompts, seed=0, rows=32)
+    first = [len(prompts[i]) for job in jobs[:10] for i, _ in job]
+    assert max(first) > 250 and min(first) < 20
+    cycle = [i for job in jobs for i, t in job if t == d.TEMPERATURE_CYCLES[0][0]]
+    assert sorted(cycle)[:2000] == list(range(2000))  # every prompt in the first cycle

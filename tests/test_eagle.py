@@ -16,18 +16,23 @@ from macspec.engine import hidden_states
 from macspec.errors import ModelError
 
 
-def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3):
+def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_layers=()):
     """An untrained eagle draft that guesses "the next token repeats the last one": fc passes the
     (normed) feature through and the layer adds only small random terms. Tiny random targets
-    repeat themselves often enough that such a draft is accepted part of the time."""
+    repeat themselves often enough that such a draft is accepted part of the time.
+    `feature_layers`: the draft also reads those target layers (through a noisy projection)."""
     target = macspec.load(target_dir).target
-    config = draft_config(target)
+    config = draft_config(target, feature_layers)
     mx.random.seed(seed)
     draft = EagleDraft(config)
     h = config["hidden_size"]
     identity = mx.concatenate([mx.zeros((h, h)), mx.eye(h)], axis=1)
     draft.fc.weight = identity + noise * draft.fc.weight
     draft.fc.bias = mx.zeros((h,))
+    if feature_layers:  # the tapped layers matter: a noisy mix of them and the final features
+        width = h * (len(feature_layers) + 1)
+        final = mx.concatenate([mx.zeros((h, width - h)), mx.eye(h)], axis=1)
+        draft.proj.weight = final + noise * mx.random.normal((h, width)) / width**0.5
     draft.layer.self_attn.o_proj.weight = noise * draft.layer.self_attn.o_proj.weight
     draft.layer.mlp.down_proj.weight = noise * draft.layer.mlp.down_proj.weight
     ids = vocab_ids if vocab_ids is not None else list(range(config["vocab_size"]))
@@ -53,6 +58,16 @@ def eagle_pair(eagle_dirs):
 
 
 @pytest.fixture(scope="module")
+def tapped_dirs(tmp_path_factory):
+    """A draft that reads the output of the target's first layer too (EAGLE-3 features)."""
+    root = tmp_path_factory.mktemp("tapped")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0, layers=3)
+    vocab = [i for i in range(66) if i % 5 != 4]
+    draft = make_draft(root / "draft", target, vocab_ids=vocab, feature_layers=(0, 1))
+    return target, draft
+
+
+@pytest.fixture(scope="module")
 def eagle_only(eagle_dirs):
     """The eagle drafter alone, without the n-gram lookup tried first."""
     return macspec.load(*eagle_dirs, drafter="model")
@@ -67,15 +82,15 @@ def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
     assert check(*eagle_dirs).compatible
 
 
-def test_greedy_speculative_equals_target_only(eagle_pair):
+@pytest.mark.parametrize("which", ["final features", "tapped layers"])
+def test_greedy_speculative_equals_target_only(eagle_pair, tapped_dirs, which):
+    pair = eagle_pair if which == "final features" else macspec.load(*tapped_dirs)
     rejected = accepted = 0
     for prompt in ["Once upon", "The cat sat on the", [1, 20, 30, 40, 5]]:
-        plain = macspec.generate(eagle_pair, prompt, max_tokens=40, speculative=False)
+        plain = macspec.generate(pair, prompt, max_tokens=40, speculative=False)
         for k in (1, 2, 4, 6):
             for adaptive in (False, True):
-                spec = macspec.generate(
-                    eagle_pair, prompt, max_tokens=40, num_draft=k, adaptive=adaptive
-                )
+                spec = macspec.generate(pair, prompt, max_tokens=40, num_draft=k, adaptive=adaptive)
                 assert spec.tokens == plain.tokens, f"{prompt!r} K={k} adaptive={adaptive}"
                 rejected += spec.stats.drafted - spec.stats.accepted
                 accepted += spec.stats.accepted
@@ -84,22 +99,24 @@ def test_greedy_speculative_equals_target_only(eagle_pair):
 
 def reference_logits(pair, parts, draft, context):
     """What the draft predicts after `context`, computed from scratch with real features."""
-    feats = hidden_states(pair.target, mx.array(context[:-1]), None)
+    feats = hidden_states(pair.target, mx.array(context[:-1]), None, draft.feature_layers)
     embeds = parts.embed(mx.array(context[1:]))
     return parts.logits(draft(feats[None], embeds[None])[0, -1:])
 
 
-def test_cache_after_rounds_matches_fresh_recomputation(eagle_only):
+@pytest.mark.parametrize("which", ["final features", "tapped layers"])
+def test_cache_after_rounds_matches_fresh_recomputation(eagle_only, tapped_dirs, which):
     """Drive the drafter through plain steps, partial and full acceptances and an abort; its
     first proposal each time must equal a from-scratch run of the draft over the context."""
-    pair = eagle_only
+    pair = eagle_only if which == "final features" else macspec.load(*tapped_dirs, drafter="model")
     drafter = pair.make_drafter(False)
     draft, parts = drafter.draft, drafter.parts
-    soft = lambda logits, extra, i: mx.softmax(logits, axis=-1)  # noqa: E731
+    assert drafter.feature_layers == (() if which == "final features" else (0, 1))
+    soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
     context = [1, 10, 11, 12, 13, 14]
 
     def target_hidden(ids):
-        return hidden_states(pair.target, mx.array(ids), None)
+        return hidden_states(pair.target, mx.array(ids), None, drafter.feature_layers)
 
     drafter.start(context, target_hidden(context[:-1]))
     # A plain step: the target read context[-1] and produced 20.
@@ -146,12 +163,54 @@ def small_eagle_pair(tmp_path_factory):
     return pair
 
 
+@pytest.fixture(scope="module")
+def small_tapped_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_tapped")
+    kw = {"chars": "abcd", "scale": 8.0, "vocab_rows": 9, "tie": False, "layers": 3}
+    target = make_tiny_model(root / "target", seed=3, **kw)
+    draft = make_draft(
+        root / "draft", target, seed=2, vocab_ids=[0, 1, 3, 4, 5], noise=1.0, feature_layers=(1,)
+    )
+    pair = macspec.load(target, draft)
+    pair.eos_token_ids = frozenset()
+    return pair
+
+
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(map(str, o.values())))
-def test_speculative_distribution_matches_target(small_eagle_pair, options):
+@pytest.mark.parametrize("which", ["final features", "tapped layers"])
+def test_speculative_distribution_matches_target(
+    small_eagle_pair, small_tapped_pair, which, options
+):
+    pair = small_eagle_pair if which == "final features" else small_tapped_pair
     prompt = [3, 4, 5, 3]
-    expected = exact_joint(small_eagle_pair, prompt, 4, **options)
-    counts = sample_prefixes(small_eagle_pair, prompt, 4, 800, num_draft=2, **options)
+    expected = exact_joint(pair, prompt, 4, **options)
+    counts = sample_prefixes(pair, prompt, 4, 800, num_draft=2, **options)
     assert chi_square(expected, counts) > 1e-3
+
+
+def test_hidden_states_taps_are_the_layer_outputs(tapped_dirs):
+    """Tapped features: each layer's output, then the final normed features, and the model's
+    layers are left as they were."""
+    model = macspec.load(tapped_dirs[0]).target
+    ids = mx.array([1, 5, 6, 7])
+    layers = list(model.model.layers)
+    got = hidden_states(model, ids, None, (0, 1))
+    h, outs = model.model.embed_tokens(ids[None]), []
+    mask = "causal"
+    for layer in layers:
+        h = layer(h, mask, cache=None)
+        outs.append(h[0])
+    want = mx.concatenate([outs[0], outs[1], model.model.norm(h)[0]], axis=-1)
+    assert got.shape == (4, 3 * 48)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert list(model.model.layers) == layers
+    assert mx.array_equal(got[:, -48:], hidden_states(model, ids, None)).item()
+
+
+def test_tapped_draft_of_a_shallower_target_is_refused(tapped_dirs, tmp_path):
+    shallow = make_tiny_model(tmp_path / "shallow", seed=0, hidden=48, tie=False, layers=1)
+    with pytest.raises(ModelError, match="reads target layers"):
+        macspec.load(shallow, tapped_dirs[1])
 
 
 def test_bad_draft_directories(eagle_dirs, tmp_path):

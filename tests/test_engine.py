@@ -167,3 +167,52 @@ def test_generation_stops_at_the_context_length(tmp_path):
     r = macspec.generate(pair, [5, 6, 7, 8, 9], max_tokens=100, num_draft=4, adaptive=False)
     assert r.finish_reason == "context"
     assert len(r.tokens) == 16 - 5
+
+
+def test_sample_follows_the_probabilities_and_never_picks_a_zero():
+    """The inverse-CDF sampler: frequencies match unnormalised weights (chi-square), ids of
+    probability 0 (leading, inner and trailing) never come out, and one-hot rows are exact."""
+    from scipy.stats import chisquare
+
+    from macspec.sampling import sample
+
+    weights = mx.array([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]])  # sums to 10: unnormalised
+    keys = mx.random.split(mx.random.key(7), 4000)
+    drawn = mx.concatenate([sample(weights, k) for k in keys]).tolist()
+    counts = [drawn.count(i) for i in range(6)]
+    assert counts[0] == counts[2] == counts[5] == 0
+    assert chisquare([counts[1], counts[3], counts[4]], [800, 2000, 1200]).pvalue > 1e-3
+    rows = mx.array([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    assert sample(rows, mx.random.key(1)).tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        SamplingOptions(),
+        SamplingOptions(temperature=0.8, top_p=0.7, repetition_penalty=1.5),
+        SamplingOptions(temperature=1.2, top_k=3, min_p=0.05, repetition_penalty=0.8),
+    ],
+    ids=["greedy", "top-p+penalty", "top-k+min-p+penalty"],
+)
+def test_distribution_over_a_drafter_vocabulary_equals_the_full_one(options):
+    """make_dist with `columns` (a drafter's own ids) gives the full-vocabulary distribution
+    restricted to those ids, the repetition penalty included (windows hold ids the drafter
+    lacks, which must not shift anything)."""
+    from macspec.engine import make_dist
+
+    vocab, ids = 12, [1, 2, 4, 7, 8, 11]
+    logits_small = mx.array([[2.0, -1.0, 0.5, 3.0, 1.5, -0.2], [0.1, 2.5, -0.7, 0.3, 1.9, 2.4]])
+    full = mx.put_along_axis(
+        mx.full((2, vocab), -mx.inf),
+        mx.broadcast_to(mx.array(ids)[None], (2, 6)),
+        logits_small,
+        axis=-1,
+    )
+    columns = mx.array([ids.index(i) if i in ids else len(ids) for i in range(vocab)])
+    dist = make_dist(options, [3, 7, 5, 2, 9])  # history with ids in and out of the drafter's
+    extra = mx.array([8])
+    want = dist(full, extra, 0)
+    got = dist(logits_small, extra, 0, columns)
+    assert mx.allclose(got, want[:, mx.array(ids)], atol=1e-6).item()
+    assert mx.allclose(want.sum(axis=1), mx.ones(2), atol=1e-5).item()
