@@ -247,7 +247,8 @@ def generate_data(
         if progress:
             rate = made / max(time.perf_counter() - start, 1e-9)
             eta = (tokens - have) / rate if rate > 0 else float("nan")
-            _bar("data", min(have, tokens), tokens, f"{rate:.0f} tok/s  ETA {_hms(eta)}")
+            note = f"{rate:.0f} tok/s  ETA {_hms(eta)}" if made else "kept from an earlier run"
+            _bar("data", min(have, tokens), tokens, note)
     if progress:
         print(file=sys.stderr)
     return have, j

@@ -301,3 +301,36 @@ def test_a_partial_data_cycle_covers_prompts_of_every_length():
     assert max(first) > 250 and min(first) < 20
     cycle = [i for job in jobs for i, t in job if t == d.TEMPERATURE_CYCLES[0][0]]
     assert sorted(cycle)[:2000] == list(range(2000))  # every prompt in the first cycle
+
+
+def test_widened_draft_predicts_what_it_did(tmp_path):
+    """widen_draft: a final-features draft given tapped layers starts out exactly as it was."""
+    from macspec.engine import hidden_states
+
+    target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=3)).target
+    mx.random.seed(5)
+    narrow = EagleDraft(draft_config(target))
+    narrow.init_from_features(mx.random.normal((48,)), 1.0 + mx.random.uniform(shape=(48,)))
+    config = draft_config(target, (0, 1))
+    stats = (mx.random.normal((3 * 48,)), 1.0 + mx.random.uniform(shape=(3 * 48,)))
+    wide = d.widen_draft(narrow, config, stats)
+    assert wide.feature_layers == (0, 1)
+    ids = mx.array([1, 9, 4, 7, 12, 3])
+    feats = hidden_states(target, ids[:-1], None, (0, 1))[None]
+    embeds = target.model.embed_tokens(ids[1:])[None]
+    want = narrow(feats[..., -48:], embeds)
+    assert mx.allclose(wide(feats, embeds), want, atol=1e-4).item()
+    assert mx.array_equal(wide.feature_mean[:96], stats[0][:96]).item()
+
+
+@pytest.mark.parametrize("value", ["", "x", "2,x", "-1", "29", "30"])
+def test_bad_feature_layers_are_refused_by_name(value):
+    with pytest.raises(OptionError, match=f"invalid feature_layers={value!r}"):
+        d.parse_feature_layers(value, 30)
+
+
+def test_feature_layers_values():
+    assert d.parse_feature_layers("auto", 30) == (2, 15, 27)
+    assert d.parse_feature_layers("none", 30) == ()
+    assert d.parse_feature_layers("27,2,2", 30) == (2, 27)
+    assert d.feature_taps(1) == () and d.feature_taps(4) == (1, 2)
