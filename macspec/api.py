@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import kernels
 from .compat import check_tokenizers
 from .drafters import COPY_PRIORS, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from .engine import Round, Target, Timing, decode
@@ -195,6 +196,7 @@ def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, di
         raise
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
+    kernels.accelerate(model)  # CPU backend: table RoPE, attention, SwiGLU (kernels.py)
     return model, tokenizer, config
 
 

@@ -47,6 +47,11 @@ def diagnose() -> dict[str, Any]:
     }
     fmt = be.choose_weight_format(135_000_000, backend=backend, blas=blas, memory_bytes=memory)
     report["weight_format"] = {"dtype": fmt.dtype, "reason": fmt.reason}
+    report["layer_kernels"] = (
+        "macspec's (table RoPE, attention, SwiGLU with a compiled exp; llama/qwen2 layers)"
+        if backend == "cpu"
+        else "mlx's own mx.fast kernels"
+    )
     report["advice"] = advice(report)
     return report
 
@@ -102,6 +107,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"matmul f32     {report['matmul_gflops']:.0f} GFLOP/s (1024x1024)",
         f"8 rows/1 row   {report['rows8_over_rows1']:.2f}x the time (near 1 = cheap verification)",
         f"weights        {report['weight_format']['dtype']}: {report['weight_format']['reason']}",
+        f"layer kernels  {report['layer_kernels']}",
     ]
     if "verify_cost" in report:
         v = report["verify_cost"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .errors import OptionError
+from .kernels import softmax
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def distribution(
         return (mx.arange(vocab)[None] == best).astype(mx.float32)
 
     # Each filter sees the renormalised survivors of the one before (as llama.cpp's sampler chain).
-    probs = mx.softmax(logits / opts.temperature, axis=-1)
+    probs = softmax(logits / opts.temperature)  # kernels.py: 4x faster on CPU backends
     if 0 < opts.top_k < vocab:
         kth = mx.min(mx.topk(probs, opts.top_k, axis=-1), axis=-1, keepdims=True)
         probs = _renormalise(mx.where(probs >= kth, probs, 0.0))

@@ -1,0 +1,139 @@
+"""CPU kernels (macspec/kernels.py): same numbers as mlx-lm's layers, same weights and files."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import make_prompt_cache
+
+from macspec import kernels
+
+
+def _model(module, **over):
+    config = {
+        "model_type": "llama",
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 64,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        **over,
+    }
+    mx.random.seed(3)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def _decode(model, chunks: list[list[int]]) -> list[np.ndarray]:
+    """Logits of each chunk fed in turn through one KV cache (a prefill, then steps)."""
+    cache = make_prompt_cache(model)
+    return [np.array(model(mx.array([c]), cache=cache)[0]) for c in chunks]
+
+
+CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
+
+
+@pytest.mark.parametrize(
+    "module,over",
+    [
+        (llama, {}),
+        (llama, {"rope_traditional": True}),
+        (llama, {"num_key_value_heads": 6}),
+        (llama, {"rope_scaling": {"type": "linear", "factor": 2.0}}),
+        (qwen2, {"model_type": "qwen2"}),
+    ],
+)
+def test_accelerated_layers_give_mlx_lm_logits(module, over):
+    model = _model(module, **over)
+    stock = _decode(model, CHUNKS)
+    assert kernels.accelerate(model) == 2
+    fast = _decode(model, CHUNKS)
+    for a, b in zip(stock, fast, strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
+        assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_same_weights_same_names_and_stock_restores():
+    model = _model(llama)
+    before = {k: v for k, v in tree_flatten(model.parameters())}
+    kernels.accelerate(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert list(before) == list(after)
+    assert all(before[k] is after[k] for k in before)
+    attn = model.model.layers[0].self_attn
+    assert type(attn) is not llama.Attention and isinstance(attn, llama.Attention)
+    with kernels.stock(model):
+        assert type(attn) is llama.Attention and type(model.model.layers[1].mlp) is llama.MLP
+    assert type(attn) is not llama.Attention
+    # One RoPE table serves every layer.
+    assert attn._macspec_rope is model.model.layers[1].self_attn._macspec_rope
+
+
+def test_a_mask_array_takes_mlx_lms_path():
+    model = _model(llama)
+    attn = model.model.layers[0].self_attn
+    x = mx.random.normal((1, 5, 48), key=mx.random.key(1))
+    mask = mx.array(np.tril(np.ones((5, 5), dtype=bool)) & ~np.eye(5, k=-3, dtype=bool))
+    want = np.array(attn(x, mask=mask))
+    kernels.accelerate(model)
+    np.testing.assert_allclose(np.array(attn(x, mask=mask)), want, atol=1e-6)
+
+
+def test_float16_layers_stay_float16():
+    model = _model(llama)
+    model.set_dtype(mx.float16)
+    kernels.accelerate(model)
+    cache = make_prompt_cache(model)
+    out = model(mx.array([[1, 2, 3]]), cache=cache)
+    assert out.dtype == mx.float16
+    assert cache[0].keys.dtype == mx.float16
+
+
+def test_the_rope_table_grows_past_its_first_size():
+    rope = nn.RoPE(8, base=10000.0)
+    table = kernels.TableRoPE(rope, size=4)
+    x = mx.random.normal((1, 2, 3, 8), key=mx.random.key(2))
+    q, k = table.pair(x, x * 2, offset=6)
+    assert table.size >= 9
+    np.testing.assert_allclose(np.array(q), np.array(rope(x, offset=6)), atol=1e-5)
+    np.testing.assert_allclose(np.array(k), np.array(rope(x * 2, offset=6)), atol=1e-5)
+
+
+def test_softmax_matches_float64():
+    x = mx.concatenate(
+        [mx.random.normal((3, 4000), key=mx.random.key(0)) * 20, mx.full((3, 1), -mx.inf)], axis=1
+    )
+    got = np.array(kernels.softmax(x))
+    xs = np.array(x).astype(np.float64)
+    want = np.exp(xs - xs.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    big = want > 1e-30
+    assert np.max(np.abs(got[big] - want[big]) / want[big]) < 1e-5
+    assert (got[:, -1] == 0).all() and np.allclose(got.sum(-1), 1, atol=1e-6)
+
+
+def test_swiglu_and_exp_limits():
+    g = mx.array([-200.0, -30.0, -1.0, 0.0, 1.0, 30.0, 200.0])
+    u = mx.ones_like(g)
+    got = np.array(kernels._swiglu(g, u))
+    want = [x / (1 + math.exp(-x)) if x > -100 else 0.0 for x in np.array(g).tolist()]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-30)
+    assert np.array(kernels._exp(mx.array([-mx.inf, -1000.0, 0.0]))).tolist() == [0.0, 0.0, 1.0]
+
+
+def test_load_accelerates_the_target(pair):
+    layer = pair.target.model.layers[0]
+    assert "_macspec_stock" in type(layer.self_attn).__dict__
+    assert "_macspec_stock" in type(layer.mlp).__dict__
