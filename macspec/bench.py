@@ -420,8 +420,9 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
                 ys.append(y)
                 # Whiskers: the slowest and fastest repeat against the baseline's median.
                 scale = y / cell["tok_s"]["median"] if y else 0.0
-                spread[0].append(y - cell["tok_s"]["min"] * scale if y else 0.0)
-                spread[1].append(cell["tok_s"]["max"] * scale - y if y else 0.0)
+                # max(0, ...): with one repeat min == median, and rounding can leave -1e-16.
+                spread[0].append(max(0.0, y - cell["tok_s"]["min"] * scale) if y else 0.0)
+                spread[1].append(max(0.0, cell["tok_s"]["max"] * scale - y) if y else 0.0)
             xs = [x + i * width for x in range(len(kinds))]
             ax.bar(xs, ys, width, label=lab, color=f"C{i}")
             if any(spread[0]) or any(spread[1]):

@@ -236,3 +236,30 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
     assert text.count("T=0.7, K=3: macspec accepted length") == 2
     readme.write_text("no markers")
     assert mod.main([result["files"][0], "--readme", str(readme)]) == 1
+
+
+def test_charts_of_the_final_run_shape(tmp_path):
+    """One repeat: min == median == max, whose scaled difference rounds below zero (a real run
+    crashed on it); the whiskers must then be zero, not an error."""
+    from macspec.bench import write_charts
+
+    cell = {
+        "temperature": 0.0,
+        "kind": "chat",
+        "tok_s": {"median": 0.3, "min": 0.1 + 0.2, "max": 0.1 + 0.2},
+    }
+    rows = [
+        {**cell, "label": "mlx-lm plain", "speedup": 1.0, "per_position_acceptance": []},
+        {**cell, "label": "macspec K=2", "speedup": 1.1, "per_position_acceptance": [0.5]},
+        {
+            **cell,
+            "kind": "all",
+            "label": "macspec K=2",
+            "speedup": 1.1,
+            "per_position_acceptance": [0.5],
+        },
+    ]
+    result = {"summary": rows, "meta": {"temperatures": [0.0], "kinds": ["chat"]}, "runs": []}
+    assert 1.1 - (0.1 + 0.2) * (1.1 / 0.3) < 0  # the rounding that crashed
+    files = write_charts(result, tmp_path)
+    assert (tmp_path / "speedup.png").stat().st_size > 0 and files
