@@ -137,3 +137,13 @@ def test_load_accelerates_the_target(pair):
     layer = pair.target.model.layers[0]
     assert "_macspec_stock" in type(layer.self_attn).__dict__
     assert "_macspec_stock" in type(layer.mlp).__dict__
+
+
+def test_nothing_changes_off_the_cpu_backend(monkeypatch):
+    """Metal and CUDA keep mlx's own mx.fast kernels: no layer is switched there."""
+    monkeypatch.setattr(kernels, "on_cpu", lambda: False)
+    model = _model(llama)
+    assert kernels.accelerate(model) == 0
+    assert type(model.model.layers[0].self_attn) is llama.Attention
+    x = mx.array([[1.0, 2.0, -mx.inf]])
+    assert np.array_equal(np.array(kernels.softmax(x)), np.array(mx.softmax(x, axis=-1)))
