@@ -146,7 +146,11 @@ class Runner:
         mx.reset_peak_memory()
         counter = _Counter(rec)
         if m.method in ("mlx_lm", "mlx_lm_spec"):
-            self._mlx_lm(m, prompt_ids, temperature, seed, counter)
+            from . import kernels
+
+            # mlx-lm's rows run the models as mlx-lm loads them, without macspec's CPU kernels.
+            with kernels.stock(self.pair.target, self.pair.draft):
+                self._mlx_lm(m, prompt_ids, temperature, seed, counter)
         else:
             self._macspec(m, prompt_ids, temperature, seed, counter)
         counter.finish()
@@ -186,16 +190,6 @@ class Runner:
         c.rec.draft_time, c.rec.verify_time = draft, verify
 
     def _mlx_lm(self, m: Method, ids: list[int], temperature: float, seed: int, c: _Counter):
-        from . import kernels
-
-        # mlx-lm's rows run the models as mlx-lm loads them, without macspec's CPU kernels.
-        with kernels.stock(self.pair.target):
-            if self.pair.draft is None:
-                return self._mlx_lm_stock(m, ids, temperature, seed, c)
-            with kernels.stock(self.pair.draft):
-                return self._mlx_lm_stock(m, ids, temperature, seed, c)
-
-    def _mlx_lm_stock(self, m: Method, ids: list[int], temperature: float, seed: int, c: _Counter):
         import mlx.core as mx
         from mlx_lm.generate import generate_step, speculative_generate_step
         from mlx_lm.sample_utils import make_sampler

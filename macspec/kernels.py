@@ -16,6 +16,7 @@ so exactness is untouched; the logits agree with mlx-lm's to float32 rounding (t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -75,13 +76,10 @@ def _compiled(fn):
     return mx.compile(fn) if _compiler_works else fn
 
 
-_fast: dict[str, Any] = {}
-
-
-def _fn(name: str):
-    if name not in _fast:
-        _fast[name] = _compiled({"shifted_exp": _shifted_exp, "swiglu": _swiglu}[name])
-    return _fast[name]
+@functools.cache
+def _fast(fn):
+    """`fn` compiled once per process (see _compiled)."""
+    return _compiled(fn)
 
 
 def on_cpu() -> bool:
@@ -93,7 +91,7 @@ def softmax(x: mx.array) -> mx.array:
     if not on_cpu():
         return mx.softmax(x, axis=-1)
     x = x.astype(mx.float32)
-    e = _fn("shifted_exp")(x, mx.max(x, axis=-1, keepdims=True))
+    e = _fast(_shifted_exp)(x, mx.max(x, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
 
 
@@ -200,7 +198,7 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
 
 
 def _fast_mlp_call(self, x: mx.array) -> mx.array:
-    return self.down_proj(_fn("swiglu")(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_fast(_swiglu)(self.gate_proj(x), self.up_proj(x)))
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -234,7 +232,9 @@ def accelerate_layers(layers: list) -> int:
             # Only the plain nn.RoPE is tabulated; scaled variants keep their own module.
             if type(rope) is nn.RoPE:
                 key = (rope.dims, rope.traditional, rope.base, rope.scale)
-                attn._macspec_rope = tables.setdefault(key, TableRoPE(rope))
+                if key not in tables:
+                    tables[key] = TableRoPE(rope)
+                attn._macspec_rope = tables[key]
             else:
                 attn._macspec_rope = None
             attn.__class__ = _switched(type(attn), _fast_attention_call)
@@ -253,13 +253,20 @@ def accelerate(model: nn.Module) -> int:
 
 
 @contextmanager
-def stock(model: nn.Module) -> Iterator[nn.Module]:
-    """The model exactly as mlx-lm runs it, for the duration (the benchmark's mlx-lm rows)."""
-    switched = [m for _, m in model.named_modules() if "_macspec_stock" in type(m).__dict__]
+def stock(*models: nn.Module | None) -> Iterator[None]:
+    """The models (None skipped) exactly as mlx-lm runs them, for the duration (the
+    benchmark's mlx-lm rows)."""
+    switched = [
+        m
+        for model in models
+        if model is not None
+        for _, m in model.named_modules()
+        if "_macspec_stock" in type(m).__dict__
+    ]
     for m in switched:
         m.__class__ = type(m)._macspec_stock
     try:
-        yield model
+        yield
     finally:
         for m in switched:
             m.__class__ = _SUBCLASSES[type(m)]
