@@ -124,6 +124,26 @@ def test_softmax_matches_float64():
     assert (got[:, -1] == 0).all() and np.allclose(got.sum(-1), 1, atol=1e-6)
 
 
+def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
+    # Attention's scores grow by one key a token: one traced graph per length would grow the
+    # process through a long generation, so the compiled exp is rebuilt after `limit` shapes.
+    builds = []
+    real = kernels._compiled
+    monkeypatch.setattr(kernels, "_compiled", lambda fn: builds.append(fn) or real(fn))
+    bounded = kernels._BoundedCompile(kernels._shifted_exp, limit=4)
+    monkeypatch.setattr(kernels, "_softmax_exp", bounded)
+    x = mx.random.normal((2, 12), key=mx.random.key(1))
+    counts = []
+    for length in (5, 6, 7, 8, 5, 9, 10):
+        got = np.array(kernels.softmax(x[:, :length]))
+        np.testing.assert_allclose(got, np.array(mx.softmax(x[:, :length], axis=-1)), rtol=1e-5)
+        counts.append(len(builds))
+        assert len(bounded.shapes) <= 4
+    # Compiled on first use; four shapes and a repeat share it; the fifth shape starts afresh.
+    assert counts == [1, 1, 1, 1, 1, 2, 2]
+    assert bounded.shapes == {((2, 9), (2, 1)), ((2, 10), (2, 1))}
+
+
 def test_swiglu_and_exp_limits():
     g = mx.array([-200.0, -30.0, -1.0, 0.0, 1.0, 30.0, 200.0])
     u = mx.ones_like(g)
