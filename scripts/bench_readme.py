@@ -80,9 +80,14 @@ def targets(result: dict, comparison_only: bool = False) -> list[str]:
                 )
     if comparison_only:
         return lines
-    if b := best(0.0, "grounded", ("macspec_ngram",)):
-        ok = "met" if b["speedup"] >= 1.5 else "NOT met"
-        lines.append(f"n-gram ≥ 1.5x on grounded prompts: {b['speedup']:.2f}x at T=0 — {ok}")
+    # The goal names no temperature: every measured one is reported.
+    for temp in temps:
+        if b := best(temp, "grounded", ("macspec_ngram",)):
+            ok = "met" if b["speedup"] >= 1.5 else "NOT met"
+            lines.append(
+                f"n-gram ≥ 1.5x on grounded prompts at T={temp}: best {b['label']} "
+                f"{b['speedup']:.2f}x — {ok}"
+            )
     # "Never slower" is the promise of the default (adaptive) modes; a fixed K is the user's
     # explicit choice and is reported, not judged.
     for methods, what in (

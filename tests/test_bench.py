@@ -224,6 +224,11 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
     assert "old" not in text and "| mlx-lm plain |" in text and "| macspec K=3 |" in text
     assert "![speedup](docs/speedup.png)" in text and (charts / "acceptance.png").is_file()
     assert text.count("never below 0.95x plain (adaptive modes)") == 1
+    # The n-gram goal names no temperature: one verdict per measured temperature.
+    for temp in (0.0, 0.7):
+        assert (
+            text.count(f"n-gram ≥ 1.5x on grounded prompts at T={temp}: best macspec n-gram") == 1
+        )
     assert (
         "drafts with `model+ngram`); 2 prompts (chat, grounded), 12 tokens max, 2 repeats, seed 0."
         in text
