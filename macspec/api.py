@@ -583,8 +583,10 @@ def calibrate(pair: Pair, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16)
     cycle = [0, *widths]
     rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
     plain = median(r.verify_time for r in rounds if r.num_draft == 0)
+    # A pass is priced whole: the filler's "draft time" is the verification graph's build,
+    # which only a draft model's computation hides (engine.speculative_round).
     passes = tuple(
-        (n, median(r.verify_time for r in rounds if r.num_draft == n))
+        (n, median(r.draft_time + r.verify_time for r in rounds if r.num_draft == n))
         for n in widths
         if any(r.num_draft == n for r in rounds)  # a tiny context may cut the widest ones
     )
