@@ -74,8 +74,8 @@ class RoundEvent:
     text: str
     num_draft: int
     speculative: bool
-    draft_time: float
-    verify_time: float
+    draft_time: float  # until the drafts were ready (the verification graph is built meanwhile)
+    verify_time: float  # from then until the target's verdict
     round_time: float
     plain_step_time: float
     finish_reason: str | None
