@@ -16,7 +16,6 @@ so exactness is untouched; the logits agree with mlx-lm's to float32 rounding (t
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -76,12 +75,6 @@ def _compiled(fn):
     return mx.compile(fn) if _compiler_works else fn
 
 
-@functools.cache
-def _fast(fn):
-    """`fn` compiled once per process (see _compiled)."""
-    return _compiled(fn)
-
-
 def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
@@ -89,9 +82,10 @@ def on_cpu() -> bool:
 class _BoundedCompile:
     """`fn` compiled, recompiled from scratch after `limit` distinct input shapes.
 
-    mx.compile keeps one traced graph per input shape (~35 KB each here), and attention's
-    scores change shape with every token of context: a 4,000-token generation grew the process
-    by 170 MB. Dropping the compiled function frees its entries. `shapeless=True` would avoid
+    mx.compile keeps one traced graph per input shape (~35 KB each here). Attention's scores
+    change shape with every token of context (a 4,000-token generation grew the process by
+    170 MB), and every new prompt length adds a shape to RoPE and SwiGLU. Dropping the compiled
+    function frees its entries. `shapeless=True` would avoid
     this, but the exp's bit view cannot be traced shapeless, and the view-free forms of 2^n
     measured 7.5-10 ns an element against 3.4."""
 
@@ -100,7 +94,7 @@ class _BoundedCompile:
         self.shapes: set[tuple] = set()
         self.compiled: Any = None  # compiled on first use: the probe runs no earlier
 
-    def __call__(self, *args: mx.array) -> mx.array:
+    def __call__(self, *args: mx.array) -> Any:
         key = tuple(a.shape for a in args)
         if key not in self.shapes:
             if self.compiled is None or len(self.shapes) >= self.limit:
@@ -111,6 +105,7 @@ class _BoundedCompile:
 
 
 _softmax_exp = _BoundedCompile(_shifted_exp)
+_swiglu_fast = _BoundedCompile(_swiglu)
 
 
 def softmax(x: mx.array) -> mx.array:
@@ -130,7 +125,7 @@ class TableRoPE:
         self.dims, self.traditional = rope.dims, rope.traditional
         self.base, self.scale = rope.base, rope.scale
         dims, traditional = self.dims, self.traditional
-        self._pair = _compiled(
+        self._pair = _BoundedCompile(
             lambda q, k, c, s: (
                 _rotate(q, c, s, dims, traditional),
                 _rotate(k, c, s, dims, traditional),
@@ -225,7 +220,7 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
 
 
 def _fast_mlp_call(self, x: mx.array) -> mx.array:
-    return self.down_proj(_fast(_swiglu)(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(_swiglu_fast(self.gate_proj(x), self.up_proj(x)))
 
 
 _SUBCLASSES: dict[type, type] = {}

@@ -144,6 +144,21 @@ def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
     assert bounded.shapes == {((2, 9), (2, 1)), ((2, 10), (2, 1))}
 
 
+def test_every_compiled_kernel_is_bounded():
+    # Prefill lengths differ per prompt, so RoPE and SwiGLU see new shapes too: a chat of many
+    # turns must not keep one traced graph per prompt length in any of them.
+    model = _model(llama)
+    kernels.accelerate(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x = mx.random.normal((1, 7, 48), key=mx.random.key(4))
+    for length in (3, 5, 7):
+        mlp(x[:, :length])
+        attn(x[:, :length], mask="causal")
+    for bounded in (kernels._softmax_exp, kernels._swiglu_fast, attn._macspec_rope._pair):
+        assert isinstance(bounded, kernels._BoundedCompile)
+        assert bounded.limit == 128 and len(bounded.shapes) >= 3
+
+
 def test_swiglu_and_exp_limits():
     g = mx.array([-200.0, -30.0, -1.0, 0.0, 1.0, 30.0, 200.0])
     u = mx.ones_like(g)
