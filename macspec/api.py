@@ -13,10 +13,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import kernels
+from . import caches, kernels
 from .compat import check_tokenizers
 from .drafters import COPY_PRIORS, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from .engine import Round, Target, Timing, decode
@@ -43,10 +42,17 @@ class Pair:
     group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
     drafter_factory: Callable[[bool], Drafter] | None = None
+    # Layers per cache kind (caches.kinds: attention, window, recurrent), checked at load to
+    # rewind exactly when the pair speculates.
+    cache_kinds: dict[str, int] = field(default_factory=dict)
+    draft_cache_kinds: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line naming the models and how drafts are made."""
+        """One line naming the models and how drafts are made (and the target's layer kinds
+        when it has more than full attention)."""
         target = self.target_path.name
+        if set(self.cache_kinds) - {"attention"}:
+            target += f" ({caches.describe_kinds(self.cache_kinds)})"
         if self.drafter_kind is None:
             return f"{target}, plain decoding (no draft)"
         if self.draft_path is None:
@@ -245,6 +251,8 @@ def load(
         target_path = _resolve(target)
     if group is not None and group.size() == 1:
         group = None
+    # Decided before rank > 0 drops the draft: every rank checks the sharded target alike.
+    speculates = drafter == "ngram" or draft is not None
     if group is not None and group.rank() > 0:
         draft = None  # the draft runs on rank 0 only (macspec/distributed.py says why)
     model, tokenizer, config = _load_model(target_path, group)
@@ -260,6 +268,9 @@ def load(
     vocab = len(tokenizer._tokenizer)
     # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
     pair.vocab_size = min(rows, vocab)
+    pair.cache_kinds = caches.kinds(model)
+    if speculates:
+        pair.cache_kinds = _checked_caches(model, target_path, "target", pair.vocab_size)
     if drafter == "ngram":
         pair.drafter_kind = "ngram"
         pair.drafter_factory = lambda adaptive: NgramDrafter()
@@ -296,20 +307,22 @@ def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[b
         target_name=str(pair.target_path),
         draft_name=str(pair.draft_path),
     ).raise_for_errors()
-    for name, m, where in (
-        ("target", pair.target, pair.target_path),
-        ("draft", pair.draft, pair.draft_path),
-    ):
-        if not can_trim_prompt_cache(make_prompt_cache(m)):
-            raise ModelError(
-                f"the {name} model ({where})"
-                " uses a cache that cannot be rewound, so rejected drafts cannot be undone;"
-                " run it without a draft"
-            )
     pair.vocab_size = min(target_rows, draft_rows, vocab)
+    pair.draft_cache_kinds = _checked_caches(pair.draft, pair.draft_path, "draft", pair.vocab_size)
     return lambda adaptive: ModelDrafter(
         pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0
     )
+
+
+def _checked_caches(model: nn.Module, where: Path, role: str, vocab: int) -> dict[str, int]:
+    """The model's cache kinds; refuses, before any output, one speculation cannot rewind."""
+    try:
+        return caches.check(model, vocab)
+    except ModelError as e:
+        raise ModelError(
+            f"the {role} model ({where}) cannot speculate exactly: {e}; "
+            "decode it plainly (speculative=False, or no draft)"
+        ) from None
 
 
 def _feature_draft_kind(path: Path) -> str | None:
@@ -534,7 +547,7 @@ def _target(pair: Pair, drafter: Drafter | None) -> Target:
     keep_hidden = getattr(drafter, "needs_hidden", False)
     taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
     if pair.group is None:
-        return Target(pair.target, pair.vocab_size, keep_hidden, taps)
+        return Target(pair.target, pair.vocab_size, keep_hidden, taps, pair.target_path.name)
     from .distributed import leader_target  # a sharded target: rank 0 leads the other ranks
 
     return leader_target(pair, keep_hidden, taps)
@@ -604,6 +617,7 @@ class _Schedule:
 
     def __init__(self, ks: list[int]) -> None:
         self.ks = list(ks)
+        self.max_k = max(self.ks, default=0)
 
     def next_k(self, label: Any = None) -> int:
         return self.ks.pop(0) if self.ks else 0
@@ -622,7 +636,7 @@ class _Filler:
         self.needs_hidden = drafter.needs_hidden
         self.feature_layers = getattr(drafter, "feature_layers", ())
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+    def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
         pass
 
     def label(self) -> None:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .caches import describe_kinds
 from .errors import CompatError, ModelError
 
 # Files that define a tokenizer; identical bytes on both sides mean an identical tokenizer.
@@ -70,6 +71,8 @@ class CompatReport:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Layers per cache kind of each model (caches.kinds), when the models were read.
+    caches: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def compatible(self) -> bool:
@@ -115,6 +118,9 @@ class CompatReport:
             lines.append(f"ok       ids 0..{shared - 1} name the same token in both tokenizers")
         if self.probes and not self.probes_differing:
             lines.append(f"ok       all {self.probes} probe texts encode to the same ids")
+        for side, found in self.caches.items():
+            if not any(m.startswith(f"the {side}'s cache") for m in self.errors):
+                lines.append(f"ok       {side} caches ({describe_kinds(found)}) rewind exactly")
         lines += [f"error    {m}" for m in self.errors]
         lines += [f"warning  {m}" for m in self.warnings]
         lines += [f"note     {m}" for m in self.notes]
@@ -324,7 +330,30 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
     for side, rows in (("target", report.target_rows), ("draft", report.draft_rows)):
         if rows is None:
             report.warnings.append(f"no vocab_size in the {side}'s config.json: rows not checked")
+    for side, path in (("target", target_dir), ("draft", draft_dir)):
+        _check_caches(report, side, path)
     return report
+
+
+def _check_caches(report: CompatReport, side: str, path: Path) -> None:
+    """Which cache kinds the model's layers have, and whether speculation rewinds them exactly
+    (recurrent layers: checked by running the model a few tokens). Feature drafts have none."""
+    if (path / "draft.json").is_file():
+        return
+    from mlx_lm.utils import load_model
+
+    from . import caches
+
+    try:
+        model, _ = load_model(path, lazy=True)
+    except Exception as e:  # mlx-lm raises anything from deep inside; the tokenizer check stands
+        report.warnings.append(f"could not read the {side} model to check its caches: {e}")
+        return
+    report.caches[side] = caches.kinds(model)
+    try:
+        caches.check(model, report.usable_vocab)
+    except ModelError as e:
+        report.errors.append(f"the {side}'s caches ({describe_kinds(report.caches[side])}): {e}")
 
 
 def _run(args: argparse.Namespace) -> int:

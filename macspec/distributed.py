@@ -43,9 +43,10 @@ LOAD_TIMEOUT = 900.0
 EXIT_HUNG = 3  # exit code when the watchdog ends a hung run (the main thread cannot be freed)
 
 OP_START, OP_FORWARD, OP_QUIT = 1, 2, 3
-HEADER = 4  # op, rewind-to length (-1: none), number of ids, flags
+HEADER = 4  # op, rewind-to length (-1: none; OP_START: the max_step), number of ids, flags
 INLINE = 36  # ids carried in the fixed-size message; longer payloads follow in a second one
 FLAG_HIDDEN = 1
+FLAG_REWINDABLE = 2  # a forward that may be taken back (caches.forward)
 
 
 class DistributedError(MacspecError):
@@ -301,19 +302,21 @@ class LeaderTarget(Target):
         link.target = self
         self._rewind = -1  # a rewind the other ranks still have to apply
 
-    def start(self, prompt: list[int]) -> None:
+    def start(self, prompt: list[int], max_step: int = 1) -> None:
         self._rewind = -1
-        self.link.send(OP_START, list(prompt), flags=FLAG_HIDDEN if self.keep_hidden else 0)
-        super().start(prompt)
+        flags = FLAG_HIDDEN if self.keep_hidden else 0
+        self.link.send(OP_START, list(prompt), trim=max_step, flags=flags)
+        super().start(prompt, max_step)
 
-    def logits(self, tokens: mx.array) -> mx.array:
+    def logits(self, tokens: mx.array, rewindable: bool = False) -> mx.array:
         # The rewind rides with the next forward: one message per round, not two.
-        self.link.send(OP_FORWARD, tokens.tolist(), trim=self._rewind)
+        flags = FLAG_REWINDABLE if rewindable else 0
+        self.link.send(OP_FORWARD, tokens.tolist(), trim=self._rewind, flags=flags)
         self._rewind = -1
         if not self.link.time_collectives:
-            return super().logits(tokens)
+            return super().logits(tokens, rewindable)
         with timed_all_sum(self.link):
-            return super().logits(tokens)
+            return super().logits(tokens, rewindable)
 
     def trim_to(self, length: int) -> None:
         super().trim_to(length)
@@ -389,15 +392,16 @@ def serve(pair: Any) -> None:
         op, ids, rewind, flags = link.receive()
         if op == OP_QUIT:
             return
-        if target is not None and rewind >= 0:
+        if target is not None and rewind >= 0 and op != OP_START:
             target.trim_to(rewind)
         try:
             if op == OP_START:
                 target = Target(pair.target, pair.vocab_size, bool(flags & FLAG_HIDDEN))
                 link.target = target
-                target.start(ids)
+                target.start(ids, max(rewind, 1))
             elif op == OP_FORWARD and target is not None:
-                mx.eval(target.logits(mx.array(ids, dtype=mx.int32)))
+                rewindable = bool(flags & FLAG_REWINDABLE)
+                mx.eval(target.logits(mx.array(ids, dtype=mx.int32), rewindable))
             else:
                 raise DistributedError(f"rank {link.rank}: unexpected message {op} from rank 0")
         except RuntimeError as e:

@@ -134,17 +134,18 @@ def verify_costs(
     import time
 
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     import macspec
 
+    from . import caches
     from .engine import hidden_states, output_head
 
     pair = macspec.load(model)
     target = pair.target
-    cache = make_prompt_cache(target)
+    cache = caches.make_cache(target, max(rows))
     prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
-    mx.eval(target(prompt, cache=cache))
+    with caches.forward(cache, context):
+        mx.eval(target(prompt, cache=cache))
     parts = ("pass", "layers", "head")
     best = {(part, n): float("inf") for part in parts for n in rows}
 
@@ -159,13 +160,15 @@ def verify_costs(
     for rep in range(repeats + 1):
         for n in rows:
             x = mx.array([[1] * n])
-            timed("pass", n, rep, target, x, cache=cache)
-            for c in cache:
-                c.trim(n)
-            h = timed("layers", n, rep, hidden_states, target, x[0], cache)
+            # Passes are taken back as a rejected round would be (recurrent layers keep their
+            # records); the pass time includes what rewinding costs the next one.
+            with caches.forward(cache, n, rewindable=True):
+                timed("pass", n, rep, target, x, cache=cache)
+            caches.rewind(cache, context)
+            with caches.forward(cache, n, rewindable=True):
+                h = timed("layers", n, rep, hidden_states, target, x[0], cache)
             timed("head", n, rep, output_head, target, h)
-            for c in cache:
-                c.trim(n)
+            caches.rewind(cache, context)
     one = best["pass", rows[0]]
     return {
         "model": str(pair.target_path),

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from . import caches
 from .sampling import sample
 
 # probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
@@ -34,9 +34,10 @@ class Drafter(Protocol):
     # Optional: decoder layers whose outputs the drafter reads too (joined before the final
     # hidden state in `hidden`); absent or () = the final hidden state only.
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         """Begin a sequence whose context is `prompt` (the target holds all but its last token).
-        `hidden`: the target's hidden states (len(prompt) - 1, H) for the positions it read."""
+        `hidden`: the target's hidden states (len(prompt) - 1, H) for the positions it read;
+        `max_step`: 1 + the most drafts a proposal will be asked for."""
 
     def label(self) -> int | None:
         """A grade of the next proposal from the context alone, for the policy to keep separate
@@ -61,12 +62,14 @@ class Drafter(Protocol):
 def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = 512) -> None:
     """Feed `tokens` into `cache` in chunks, so long prompts do not build one huge graph."""
     for i in range(0, len(tokens), step):
-        model(mx.array(tokens[i : i + step])[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        chunk = tokens[i : i + step]
+        with caches.forward(cache, len(chunk)):
+            model(mx.array(chunk)[None], cache=cache)
+        mx.eval(caches.state_arrays(cache))
 
 
 class ModelDrafter:
-    """A small autoregressive model with its own KV cache.
+    """A small autoregressive model with its own cache.
 
     The cache always holds the context except `pending`, the ids not yet fed: normally the
     target's last token, or the last draft and the target's token after a full acceptance."""
@@ -82,10 +85,11 @@ class ModelDrafter:
         self.stop_below = stop_below
         self.cache: list = []
         self.pending: list[int] = []
-        self._offset = 0  # cache length before the current proposal, for abort()
+        self._base = 0  # cache length before the current proposal
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
-        self.cache = make_prompt_cache(self.model)
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
+        # A proposal feeds the pending ids (up to 2) and then its drafts one by one.
+        self.cache = caches.make_cache(self.model, max_step + 1)
         prefill(self.model, self.cache, prompt[:-1])
         self.pending = prompt[-1:]
 
@@ -94,11 +98,12 @@ class ModelDrafter:
 
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         # No host sync between draft steps: each token feeds the next lazily.
-        self._offset = self.cache[0].offset
+        self._base = caches.length(self.cache)
         tokens, probs = [], []
         inputs = mx.array(self.pending, dtype=mx.int32)
         for i, subkey in enumerate(mx.random.split(key, k)):
-            logits = self.model(inputs[None], cache=self.cache)[0, -1:, : self.vocab_size]
+            with caches.forward(self.cache, inputs.size, rewindable=True):
+                logits = self.model(inputs[None], cache=self.cache)[0, -1:, : self.vocab_size]
             drafted = mx.concatenate(tokens) if tokens else None
             q = dist(logits, drafted, i)
             token = sample(q, subkey)
@@ -118,14 +123,14 @@ class ModelDrafter:
         if k == 0:
             self.pending += emitted
             return
-        fed = k - 1  # the pending ids plus d_1..d_{k-1} went in; d_k never did
-        kept = min(accepted, fed)
-        trim_prompt_cache(self.cache, fed - kept)
+        # The pending ids and d_1..d_{k-1} went in (d_k never did); keep the accepted ones.
+        kept = min(accepted, k - 1)
+        caches.rewind(self.cache, self._base + len(self.pending) + kept)
         self.pending = emitted[kept:]
 
     def abort(self, k: int) -> None:
         # Back to the state before propose(); the pending ids stay pending.
-        trim_prompt_cache(self.cache, self.cache[0].offset - self._offset)
+        caches.rewind(self.cache, self._base)
 
 
 # Labels of copied proposals: the length of the context's match, in these buckets (a bucket
@@ -158,7 +163,7 @@ class NgramDrafter:
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         self.history, self.index = [], {}
         self._extend(prompt)
 
@@ -218,8 +223,8 @@ class HybridDrafter:
         self.feature_layers = getattr(model, "feature_layers", ())
         self.used: Drafter = model
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
-        self.model.start(prompt, hidden)
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
+        self.model.start(prompt, hidden, max_step)
         self.ngram.start(prompt)
 
     def label(self) -> int | None:

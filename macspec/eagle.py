@@ -27,9 +27,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import KVCache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache
 
-from . import kernels
+from . import caches, kernels
 from .drafters import DistFn, Proposal
 from .errors import ModelError
 from .sampling import sample
@@ -184,6 +184,8 @@ class EagleDrafter:
         self._proposed = False
 
     def _queue(self, hidden: mx.array | None, ids: list[int]) -> None:
+        if not ids and hidden is None:  # a one-token prompt: the target read nothing yet
+            return
         if hidden is None or hidden.shape[0] != len(ids):
             got = None if hidden is None else hidden.shape[0]
             raise ModelError(f"the eagle draft needs {len(ids)} target hidden states, got {got}")
@@ -191,7 +193,7 @@ class EagleDrafter:
             self.pending_f.append(hidden.astype(mx.float32))
             self.pending_ids += ids
 
-    def start(self, prompt: list[int], hidden: mx.array | None = None) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         self.cache = KVCache()
         self.pending_f, self.pending_ids = [], []
         self._proposed = False
@@ -241,7 +243,7 @@ class EagleDrafter:
     ) -> None:
         if k > 0 and self._proposed:
             # Keep the positions fed with real features; drop those fed with predicted ones.
-            trim_prompt_cache([self.cache], self.cache.offset - (self._offset + self._fed))
+            caches.rewind([self.cache], self._offset + self._fed)
             self.pending_f, self.pending_ids = [], []
         self._proposed = False
         # The kept positions (the previous last id and the accepted drafts) and their next ids.
@@ -249,7 +251,7 @@ class EagleDrafter:
 
     def abort(self, k: int) -> None:
         if self._proposed:
-            trim_prompt_cache([self.cache], self.cache.offset - self._offset)
+            caches.rewind([self.cache], self._offset)
         self._proposed = False
 
 

@@ -16,9 +16,10 @@ from time import perf_counter
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from . import caches
 from .drafters import DistFn, Drafter, prefill
+from .errors import CacheError
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 
@@ -57,7 +58,7 @@ class Timing:
 
 
 class Target:
-    """The target model and its KV cache; logits are cut to the ids both models share.
+    """The target model and its cache; logits are cut to the ids both models share.
 
     With `keep_hidden`, every forward pass also leaves the last hidden states of the positions
     it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does);
@@ -69,22 +70,27 @@ class Target:
         vocab_size: int,
         keep_hidden: bool = False,
         taps: tuple[int, ...] = (),
+        name: str = "the target",
     ):
         self.model = model
         self.vocab_size = vocab_size
         self.cache: list = []
         self.keep_hidden = keep_hidden
         self.taps = tuple(taps)
+        self.name = name  # for errors
         # (positions, (len(taps) + 1) * hidden_size) of the last forward pass
         self.hidden: mx.array | None = None
 
-    def start(self, prompt: list[int]) -> None:
-        self.cache = make_prompt_cache(self.model)
+    def start(self, prompt: list[int], max_step: int = 1) -> None:
+        """Prefill all but the prompt's last id; later passes of up to `max_step` ids can be
+        taken back (caches.make_cache)."""
+        self.cache = caches.make_cache(self.model, max_step)
         if self.keep_hidden:
             body, chunks = prompt[:-1], []
             for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
                 ids = mx.array(body[i : i + 512])
-                chunks.append(hidden_states(self.model, ids, self.cache, self.taps))
+                with caches.forward(self.cache, ids.size):
+                    chunks.append(hidden_states(self.model, ids, self.cache, self.taps))
                 mx.eval(chunks[-1])
             self.hidden = mx.concatenate(chunks) if chunks else None
         else:
@@ -92,17 +98,26 @@ class Target:
 
     @property
     def offset(self) -> int:
-        return self.cache[0].offset
+        try:
+            return caches.length(self.cache)
+        except CacheError as e:
+            raise CacheError(f"{self.name}: {e}") from None
 
-    def logits(self, tokens: mx.array) -> mx.array:
-        if not self.keep_hidden:
-            return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
-        self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
+    def logits(self, tokens: mx.array, rewindable: bool = False) -> mx.array:
+        """Logits for `tokens` fed after the cache; a `rewindable` pass can be taken back."""
+        with caches.forward(self.cache, tokens.size, rewindable):
+            if not self.keep_hidden:
+                return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
+            self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
         final = self.hidden[:, -self.model.args.hidden_size :] if self.taps else self.hidden
         return output_head(self.model, final)[:, : self.vocab_size]
 
     def trim_to(self, length: int) -> None:
-        trim_prompt_cache(self.cache, self.offset - length)
+        """Every layer back to exactly `length` tokens, or CacheError naming the model."""
+        try:
+            caches.rewind(self.cache, length)
+        except CacheError as e:
+            raise CacheError(f"{self.name}: {e}") from None
 
 
 def hidden_states(
@@ -216,7 +231,7 @@ def speculative_round(
         # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
         mx.async_eval(proposal.tokens)
         k = proposal.tokens.size
-        logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]))
+        logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
         p = dist(logits, proposal.tokens, 0)
         q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
         n_arr, token_arr = accept(p, q, proposal.tokens, accept_key)
@@ -264,9 +279,10 @@ def decode(
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     t0 = perf_counter()
-    target.start(prompt)
+    max_step = policy.max_k + 1  # the widest pass a round may take back
+    target.start(prompt, max_step)
     if drafter is not None:
-        drafter.start(prompt, target.hidden)
+        drafter.start(prompt, target.hidden, max_step)
     prefill_time = perf_counter() - t0
     generated = 0
     while True:

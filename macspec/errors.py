@@ -27,3 +27,8 @@ class CompatError(MacspecError):
 
 class ConvertError(MacspecError):
     """Fetching or converting a model failed; nothing was written to the store."""
+
+
+class CacheError(MacspecError):
+    """A model's cache could not be brought to the length a round needs; going on would make
+    the output silently differ from the target's own."""

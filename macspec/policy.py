@@ -17,6 +17,8 @@ Label = int | None
 
 
 class Policy(Protocol):
+    max_k: int  # the most drafts next_k ever returns (caches keep room to take them back)
+
     def next_k(self, label: Label = None) -> int:
         """Drafts for the next round (0 = a plain step)."""
 
@@ -57,6 +59,10 @@ class FixedK:
     propose) is a plain step."""
 
     k: int
+
+    @property
+    def max_k(self) -> int:
+        return self.k
 
     def next_k(self, label: Label = None) -> int:
         return 0 if label == 0 else self.k
@@ -141,6 +147,10 @@ class AdaptiveK:
     priors: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
     _last: Label = None
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k_max, self.copy_max or self.k_max)
 
     def arm(self, label: Label) -> _Arm:
         if label not in self.arms:
