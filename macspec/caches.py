@@ -66,6 +66,7 @@ class WindowKVCache(_BaseCache):
         self.offset = 0
         self.wrapped = False  # a position >= capacity was written: slots are in ring order
         self.lost = 0  # positions below this may have been overwritten
+        self._fetched: tuple[mx.array, mx.array] | None = None  # the last update's view
 
     # -- the interface mlx-lm's models use
 
@@ -101,6 +102,7 @@ class WindowKVCache(_BaseCache):
                 k = mx.concatenate([self._positions(self.keys, start - before, start), k], axis=2)
                 v = mx.concatenate([self._positions(self.values, start - before, start), v], axis=2)
             self._store(k, v, end)
+            self._fetched = (k, v)
             return k, v
         self._reserve(keys, values, end)
         cap, s = self.capacity, start % self.capacity
@@ -113,8 +115,15 @@ class WindowKVCache(_BaseCache):
         self.wrapped = self.wrapped or end > cap
         self.offset, self.lost = end, max(self.lost, end - cap)
         if self.wrapped:
-            return self.keys, self.values
-        return self.keys[..., :end, :], self.values[..., :end, :]
+            self._fetched = (self.keys, self.values)
+        else:
+            self._fetched = (self.keys[..., :end, :], self.values[..., :end, :])
+        return self._fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last update returned, in the layout of its mask: layers that share this
+        layer's keys and values (Gemma 3n, Gemma 4) attend over it with that mask."""
+        return self._fetched
 
     def _positions(self, buf: mx.array, lo: int, hi: int) -> mx.array:
         if not self.wrapped:
@@ -217,13 +226,16 @@ class _Segment:
             if value is out:
                 return rec.replay(args, kwargs, self.n, m)
         if value is not None and value.ndim == 3:
-            # A convolution window: the last w inputs of [window before, new tokens].
+            # A convolution window: the last w inputs of [window before, new tokens]. Layers
+            # with several convolutions of one width (q, k, v) are told apart by content.
             w = value.shape[1]
             inputs = [
                 x
                 for x in self.convs
                 if x.ndim == 3 and x.shape[1] == w + self.n and x.shape[2] == value.shape[2]
             ]
+            if len(inputs) > 1:
+                inputs = [x for x in inputs if mx.array_equal(x[:, -w:, :], value).item()]
             if len(inputs) == 1:
                 return mx.contiguous(inputs[0][:, m : m + w, :])
         raise CacheError(

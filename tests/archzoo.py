@@ -766,14 +766,16 @@ def build_model(
     perturb: float = 0.0,
     perturb_seed: int = 1,
     scale: dict[str, float] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> nn.Module:
     """The in-memory model of `arch`: what `make_arch_model` saves and `load` reads back.
 
     `scale` overrides the zoo's recorded multipliers (see `Arch.scale`); `perturb` adds noise of
-    that size relative to each tensor's spread, drawn from `perturb_seed`.
+    that size relative to each tensor's spread, drawn from `perturb_seed`; `config` replaces the
+    zoo's config (e.g. a smaller vocabulary).
     """
     spec = ZOO[arch]
-    config = json.loads(json.dumps(spec.config))  # ModelArgs may write into nested dicts
+    config = json.loads(json.dumps(config or spec.config))  # ModelArgs may write into dicts
     model_cls, args_cls = model_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -802,6 +804,7 @@ def make_arch_model(
     perturb: float = 0.0,
     perturb_seed: int = 1,
     scale: dict[str, float] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> Path:
     """Save `build_model(arch, ...)` as an HF-style directory that `mlx_lm.utils.load` reads.
 
@@ -812,12 +815,15 @@ def make_arch_model(
     write_char_tokenizer(path)
     if arch in BYTE_LEVEL_TOKENIZER:
         _write_byte_level_char_tokenizer(path)
-    model = build_model(arch, seed=seed, perturb=perturb, perturb_seed=perturb_seed, scale=scale)
+    model = build_model(
+        arch, seed=seed, perturb=perturb, perturb_seed=perturb_seed, scale=scale, config=config
+    )
     params = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), params, metadata={"format": "mlx"})
     # pad_token_id: transformers' own config classes (read when the tokenizer loads) warn when
     # their default pad id lies outside the 72-id vocabulary.
-    config = {**ZOO[arch].config, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    config = {**(config or ZOO[arch].config), "bos_token_id": 1, "eos_token_id": 2}
+    config["pad_token_id"] = 0
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
