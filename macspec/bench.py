@@ -315,10 +315,18 @@ def summarise(
         for r in rows
         if r["method"] == BASELINE and r["tok_s"]
     }
+    base_passes = {
+        (r["temperature"], r["kind"]): r["target_passes_per_s"]
+        for r in rows
+        if r["method"] == BASELINE
+    }
     for r in rows:
         b = base.get((r["temperature"], r["kind"]))
         if b and r["tok_s"]:
             r["speedup"] = r["tok_s"]["median"] / b
+        # Seconds a round takes (drafting, verification, rewinding) in plain steps.
+        bp = base_passes.get((r["temperature"], r["kind"]))
+        r["round_cost"] = bp / r["target_passes_per_s"] if bp and r["target_passes_per_s"] else None
     order = {label: i for i, label in enumerate(dict.fromkeys(rec.label for rec in records))}
     kinds = {k: i for i, k in enumerate([*KINDS, "all"])}
     rows.sort(key=lambda r: (r["temperature"], order[r["label"]], kinds.get(r["kind"], -1)))
@@ -339,7 +347,7 @@ def format_table(result: dict[str, Any]) -> str:
     for temp in meta["temperatures"]:
         out.append(f"\ntemperature {temp}")
         head = f"{'method':<{width}}{'tok/s median (min-max)':>25}"
-        head += f"{'speedup':>9}{'accept':>8}{'len':>6}"
+        head += f"{'speedup':>9}{'accept':>8}{'len':>6}{'round':>7}"
         head += "".join(f"{k[:8]:>9}" for k in kinds)
         head += f"{'draft/verify/other':>20}{'peak MB':>9}{'weights GB/s':>14}"
         out.append(head)
@@ -351,6 +359,7 @@ def format_table(result: dict[str, Any]) -> str:
             line = f"{r['label']:<{width}}{tok:>25}{_fmt(r['speedup'], 'x'):>9}"
             line += (
                 f"{_fmt(r['acceptance_rate'], '', 2):>8}{_fmt(r['mean_accepted_length'], '', 2):>6}"
+                f"{_fmt(r['round_cost'], 'x'):>7}"
             )
             for k in kinds:
                 cell = next(
@@ -371,6 +380,7 @@ def format_table(result: dict[str, Any]) -> str:
     for s in result["skipped"]:
         out.append(f"skipped {s['method']}: {s['reason']}")
     out.append("speedup per kind and overall: against mlx-lm plain at the same temperature")
+    out.append("round: seconds a round takes (draft, verify, rewind), in mlx-lm plain steps")
     return "\n".join(out)
 
 
@@ -540,6 +550,8 @@ def plan_methods(
             why.setdefault(name, "no draft model loaded (use --draft)")
     elif base.draft is None:
         why.setdefault("mlx_lm_spec", f"the draft ({base.drafter_kind}) is not a model mlx-lm runs")
+    elif "recurrent" in {**base.cache_kinds, **base.draft_cache_kinds}:
+        why.setdefault("mlx_lm_spec", "mlx-lm refuses speculation on recurrent layers (ArraysCache)")
     if "default" in pairs and not _has_drafter(pairs["default"]):
         why.setdefault("macspec_adaptive", "no draft model loaded (use --draft)")
     if not has_adaptive:
