@@ -97,6 +97,16 @@ def test_greedy_speculative_equals_target_only(eagle_pair, tapped_dirs, which):
     assert rejected > 0 and accepted > 0  # both rewinding and keeping were exercised
 
 
+@pytest.mark.parametrize("which", ["eagle+ngram", "eagle"])
+def test_a_one_token_prompt(eagle_pair, eagle_only, which):
+    """The target has read nothing before the first step: the draft starts from it."""
+    pair = eagle_pair if which == "eagle+ngram" else eagle_only
+    for max_tokens in (1, 4, 12):
+        plain = macspec.generate(pair, [20], max_tokens=max_tokens, speculative=False)
+        spec = macspec.generate(pair, [20], max_tokens=max_tokens, num_draft=3, adaptive=False)
+        assert spec.tokens == plain.tokens and len(spec.tokens) == max_tokens
+
+
 def reference_logits(pair, parts, draft, context):
     """What the draft predicts after `context`, computed from scratch with real features."""
     feats = hidden_states(pair.target, mx.array(context[:-1]), None, draft.feature_layers)
