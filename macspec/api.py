@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -15,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import caches, kernels
+from . import caches, chat_template, kernels
 from .compat import check_tokenizers
 from .drafters import COPY_PRIORS, Drafter, HybridDrafter, ModelDrafter, NgramDrafter, Proposal
 from .engine import Round, Target, Timing, decode
@@ -38,7 +39,8 @@ class Pair:
     context_length: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     timing: Timing = field(default_factory=Timing)
-    costs: Costs | None = None  # measured on first adaptive use (see calibrate)
+    costs: Costs | None = None  # measured at load (distributed: at first use; see calibrate)
+    calibration_time: float = 0.0  # seconds load() spent measuring them
     group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
     drafter_factory: Callable[[bool], Drafter] | None = None
@@ -56,8 +58,15 @@ class Pair:
         if self.drafter_kind is None:
             return f"{target}, plain decoding (no draft)"
         if self.draft_path is None:
-            return f"{target}, {self.drafter_kind} drafting (no draft model)"
-        return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+            line = f"{target}, {self.drafter_kind} drafting (no draft model)"
+        else:
+            line = f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+        if self.costs is not None and self.calibration_time:
+            line += (
+                f"; measured at load in {self.calibration_time:.1f}s: a plain step "
+                f"{self.costs.plain_step * 1000:.0f} ms"
+            )
+        return line
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:
         return self.drafter_factory(adaptive) if self.drafter_factory else None
@@ -273,7 +282,7 @@ def load(
         pair.cache_kinds = _checked_caches(model, target_path, "target", pair.vocab_size)
     if drafter == "ngram":
         pair.drafter_kind = "ngram"
-        pair.drafter_factory = lambda adaptive: NgramDrafter()
+        pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
     elif draft is not None:
         pair.draft_path = _resolve(draft)
         kind = _feature_draft_kind(pair.draft_path)
@@ -289,8 +298,22 @@ def load(
             pair.drafter_kind, pair.drafter_factory = kind, make
         else:
             pair.drafter_kind = f"{kind}+ngram"
-            pair.drafter_factory = lambda adaptive: HybridDrafter(make(adaptive), NgramDrafter())
+            pair.drafter_factory = lambda adaptive: HybridDrafter(
+                make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
+            )
+    if pair.drafter_factory is not None and group is None:
+        # Paid here, and said, rather than inside the first answer (issue: a first short
+        # answer measured 0.78x plain with the ~3 s of measuring inside it).
+        t0 = time.perf_counter()
+        pair.costs = calibrate(pair)
+        pair.calibration_time = time.perf_counter() - t0
     return pair
+
+
+def _special_ids(pair: Pair) -> frozenset[int]:
+    """Control tokens (BOS, EOS, chat turn markers): never part of a copied n-gram proposal."""
+    ids = set(getattr(pair.tokenizer, "all_special_ids", None) or ()) | set(pair.eos_token_ids)
+    return frozenset(ids)
 
 
 def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[bool], Drafter]:
@@ -380,8 +403,9 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
 
 def stream_generate(
     pair: Pair,
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | None = None,
     *,
+    messages: Sequence[dict[str, str]] | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -394,9 +418,11 @@ def stream_generate(
     speculative: bool = True,
     adaptive: bool = True,
 ) -> GenerationStream:
-    """Generate from `prompt`, yielding one RoundEvent per target forward pass.
+    """Generate from `prompt` or `messages`, yielding one RoundEvent per target forward pass.
 
-    A string prompt is encoded as-is (no chat template); a list of ids is used exactly.
+    `messages` ([{"role": "user", "content": ...}, ...]) go through the target's chat template,
+    as `macspec chat` and `macspec generate` do; a string `prompt` is encoded as-is (no chat
+    template); a list of ids is used exactly.
     `num_draft` caps K (a copied n-gram continuation, which costs no draft time, may run to
     COPY_FACTOR times that); `adaptive=False` fixes K; `speculative=False` decodes plainly."""
     opts = SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty)
@@ -405,7 +431,10 @@ def stream_generate(
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise OptionError(f"invalid seed={seed!r}: must be an integer")
     stops = _stops(stop)
-    ids = _encode(pair, prompt)
+    if (prompt is None) == (messages is None):
+        raise PromptError("give either a prompt or messages, not both or neither")
+    text = None if messages is None else chat_template.render(pair.tokenizer, messages)
+    ids = _encode(pair, prompt if text is None else text)
     if len(ids) >= pair.context_length:
         raise PromptError(
             f"the prompt has {len(ids)} tokens but the model's context holds "
@@ -652,8 +681,10 @@ class _Filler:
         pass
 
 
-def generate(pair: Pair, prompt: str | Sequence[int], **options) -> GenerationResult:
-    """Generate a whole answer; options as `stream_generate`."""
+def generate(
+    pair: Pair, prompt: str | Sequence[int] | None = None, **options: Any
+) -> GenerationResult:
+    """Generate a whole answer; `messages=` and the options as `stream_generate`."""
     stream = stream_generate(pair, prompt, **options)
     tokens: list[int] = []
     parts: list[str] = []

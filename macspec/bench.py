@@ -551,7 +551,9 @@ def plan_methods(
     elif base.draft is None:
         why.setdefault("mlx_lm_spec", f"the draft ({base.drafter_kind}) is not a model mlx-lm runs")
     elif "recurrent" in {**base.cache_kinds, **base.draft_cache_kinds}:
-        why.setdefault("mlx_lm_spec", "mlx-lm refuses speculation on recurrent layers (ArraysCache)")
+        why.setdefault(
+            "mlx_lm_spec", "mlx-lm refuses speculation on recurrent layers (ArraysCache)"
+        )
     if "default" in pairs and not _has_drafter(pairs["default"]):
         why.setdefault("macspec_adaptive", "no draft model loaded (use --draft)")
     if not has_adaptive:

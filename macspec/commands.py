@@ -62,16 +62,6 @@ def load_pair(args: argparse.Namespace):
     return pair
 
 
-def chat_prompt(tokenizer, text: str, system: str | None = None) -> str:
-    """The text as a user turn in the model's chat template (as-is if it has none)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return text
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}
-    ]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
 def summary(stats) -> str:
     """One line a person can read: speed against plain decoding, acceptance, round length."""
     base = 1 / stats.plain_step_time if stats.plain_step_time else 0.0
@@ -95,10 +85,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if prompt is None:
         raise OptionError("no prompt: give one as an argument, or '-' to read standard input")
     pair = load_pair(args)
-    if not args.raw_prompt:
-        prompt = chat_prompt(pair.tokenizer, prompt, args.system)
+    if args.raw_prompt:
+        source = {"prompt": prompt}
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        source = {"messages": [*system, {"role": "user", "content": prompt}]}
     print(f"[macspec] {pair.describe()}", file=sys.stderr)
-    stream = stream_generate(pair, prompt, **sampling_kwargs(args))
+    stream = stream_generate(pair, **source, **sampling_kwargs(args))
     tokens, finish = [], None
     for event in stream:
         tokens += event.emitted

@@ -158,8 +158,17 @@ class NgramDrafter:
     name = "ngram"
     needs_hidden = False
 
-    def __init__(self, max_n: int = 4, min_n: int = 1, max_match: int = 32):
+    def __init__(
+        self,
+        max_n: int = 4,
+        min_n: int = 1,
+        max_match: int = 32,
+        stop_ids: frozenset[int] = frozenset(),
+    ):
         self.max_n, self.min_n, self.max_match = max_n, min_n, max_match
+        # Copies end before these ids (the chat template's turn markers, EOS): an answer that
+        # restates the question matches it, but the question's end-of-turn never follows.
+        self.stop_ids = stop_ids
         self.history: list[int] = []
         self.index: dict[tuple[int, ...], int] = {}
 
@@ -186,7 +195,12 @@ class NgramDrafter:
                 # proposal itself, so a repeating cycle is proposed for the full k.
                 out: list[int] = []
                 for j in range(at, at + k):
-                    out.append(h[j] if j < len(h) else out[j - len(h)])
+                    t = h[j] if j < len(h) else out[j - len(h)]
+                    if t in self.stop_ids:
+                        break
+                    out.append(t)
+                if not out:
+                    return [], 0
                 length = n
                 while length < min(self.max_match, at) and h[at - 1 - length] == h[-1 - length]:
                     length += 1

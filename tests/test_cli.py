@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import macspec
 from macspec.cli import main
 
@@ -45,3 +47,34 @@ def test_errors_are_one_line_and_an_exit_code(tmp_path, capsys):
 def test_invalid_option_exit_code(tiny_dirs, capsys):
     assert main(["generate", "Hi", "--target", str(tiny_dirs[0]), "--num-draft", "0"]) == 2
     assert "num_draft" in capsys.readouterr().err
+
+
+def test_messages_equal_the_cli_templated_prompt(tiny_dirs, capsys):
+    target, draft = map(str, tiny_dirs)
+    args = ["generate", "Tell me", "--target", target, "--draft", draft, "--system", "Be brief."]
+    assert main([*args, "--max-tokens", "16", "--temperature", "0.7", "--seed", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pair = macspec.load(target, draft)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me"}]
+    r = macspec.generate(pair, messages=messages, max_tokens=16, temperature=0.7, seed=2)
+    assert r.tokens == out["tokens"]
+    templated = pair.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert (
+        macspec.generate(pair, templated, max_tokens=16, temperature=0.7, seed=2).tokens == r.tokens
+    )
+
+
+def test_messages_are_checked(tiny_dirs):
+    pair = macspec.load(tiny_dirs[0])
+    for bad, match in [
+        ([], "non-empty list"),
+        ([{"role": "user"}], "'role' and 'content'"),
+        ([{"role": "robot", "content": "x"}], "role 'robot'"),
+        ([{"role": "user", "content": 3}], "must be a string"),
+    ]:
+        with pytest.raises(macspec.PromptError, match=match):
+            macspec.generate(pair, messages=bad)
+    with pytest.raises(macspec.PromptError, match="not both"):
+        macspec.generate(pair, "hi", messages=[{"role": "user", "content": "hi"}])

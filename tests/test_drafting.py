@@ -59,6 +59,16 @@ def test_ngram_grades_a_proposal_by_the_whole_match_length():
     assert [match_label(n) for n in (0, 1, 3, 5, 7, 15, 16, 40)] == [0, 1, 3, 4, 6, 8, 16, 16]
 
 
+def test_ngram_copies_stop_before_control_tokens():
+    """An answer restating the question matches it; the question's end-of-turn (here 99) is
+    never copied, and a copy that would start with it is no proposal at all."""
+    d = NgramDrafter(stop_ids=frozenset({99}))
+    d.start([1, 2, 3, 4, 99, 7, 2, 3])
+    assert d.lookup(4) == ([4], 2)
+    d.commit(0, 0, [4])
+    assert d.lookup(4) == ([], 0) and d.label() == 0
+
+
 def test_ngram_never_matches_the_suffix_with_itself():
     d = NgramDrafter()
     d.start([4, 5, 6])
