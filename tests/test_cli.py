@@ -58,14 +58,13 @@ def test_messages_equal_the_cli_templated_prompt(tiny_dirs, capsys):
     out = json.loads(capsys.readouterr().out)
     pair = macspec.load(target, draft)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me"}]
-    r = macspec.generate(pair, messages=messages, max_tokens=16, temperature=0.7, seed=2)
+    options = {"max_tokens": 16, "temperature": 0.7, "seed": 2, "adaptive": False}
+    r = macspec.generate(pair, messages=messages, **options)
     assert r.tokens == out["tokens"]
     templated = pair.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False
     )
-    assert (
-        macspec.generate(pair, templated, max_tokens=16, temperature=0.7, seed=2).tokens == r.tokens
-    )
+    assert macspec.generate(pair, templated, **options).tokens == r.tokens
 
 
 def test_messages_are_checked(tiny_dirs):
