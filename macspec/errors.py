@@ -27,3 +27,7 @@ class CompatError(MacspecError):
 
 class ConvertError(MacspecError):
     """Fetching or converting a model failed; nothing was written to the store."""
+
+
+class MacspecWarning(UserWarning):
+    """Base class of macspec's warnings: something works, but slower or worse than it could."""
