@@ -53,7 +53,6 @@ class Terminal:
                 os._exit(127)
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", 36, 120, 0, 0))
         self.raw = b""
-        self.status: int | None = None
 
     @property
     def text(self) -> str:
