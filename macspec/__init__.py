@@ -1,6 +1,11 @@
 """macspec: exact speculative decoding for local LLMs on MLX."""
 
-from .api import (
+from . import backend
+
+# Before mlx.core is first imported (by .api): MLX's BLAS calls then bind to OpenBLAS (Linux).
+backend.load_fast_blas()
+
+from .api import (  # noqa: E402
     GenerationResult,
     GenerationStats,
     GenerationStream,
@@ -10,18 +15,29 @@ from .api import (
     load,
     stream_generate,
 )
-from .errors import CompatError, ConvertError, MacspecError, ModelError, OptionError, PromptError
-from .sampling import SamplingOptions
+from .backend import BlasWarning  # noqa: E402
+from .errors import (  # noqa: E402
+    CompatError,
+    ConvertError,
+    MacspecError,
+    MacspecWarning,
+    ModelError,
+    OptionError,
+    PromptError,
+)
+from .sampling import SamplingOptions  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlasWarning",
     "CompatError",
     "ConvertError",
     "GenerationResult",
     "GenerationStats",
     "GenerationStream",
     "MacspecError",
+    "MacspecWarning",
     "ModelError",
     "OptionError",
     "Pair",

@@ -249,13 +249,10 @@ def load(
     if target is None:
         from .default import default_draft, default_target
 
-        target_path = default_target()
         if draft is None and drafter != "ngram":
+            # a ModelError if this install lacks it (never a silent n-gram), before any download
             draft = default_draft()
-            if draft is None and drafter is None:
-                drafter = "ngram"  # no distilled default draft: draft-free drafting still helps
-            elif draft is None:
-                raise OptionError("drafter='model': the default pair has no draft model")
+        target_path = default_target()
     else:
         target_path = _resolve(target)
     if group is not None and group.size() == 1:

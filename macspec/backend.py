@@ -1,22 +1,26 @@
 """What macspec runs on: backend, device, BLAS library, and the weight format that is fastest there.
 
-On Linux the ``mlx[cpu]`` wheel links the reference BLAS, which makes float32 products ~35x slower
-than OpenBLAS and makes a K-row verification cost ~K single steps. ``ensure_fast_blas`` re-executes
-the ``macspec`` command once with Debian's OpenBLAS preloaded; mlx's ``cblas_sgemm`` binds to it.
+On Linux the ``mlx[cpu]`` wheel links the reference BLAS, which makes float32 products 10-30x slower
+than OpenBLAS and makes a K-row verification cost ~K single steps. ``import macspec`` therefore
+loads Debian's OpenBLAS into the global symbol scope before ``mlx.core`` is first imported, so
+mlx's ``cblas_sgemm`` binds to it: in the ``macspec`` command and in Python scripts alike.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
+import struct
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Set in the re-executed child so that a failed or refused preload never loops.
-REEXEC_ENV = "MACSPEC_BLAS_REEXEC"
+from .errors import MacspecWarning
+
 OPT_OUT_ENV = "MACSPEC_NO_BLAS_PRELOAD"
 # Debian/Ubuntu package libopenblas0-pthread (and -openmp, -serial) install these.
 OPENBLAS_PACKAGE = "libopenblas0-pthread"
@@ -80,27 +84,98 @@ class BlasInfo:
         return f"{self.kind} ({self.path})" if self.path else self.kind
 
 
-def _global_symbol_library(symbol: str) -> str | None:
-    """The file that defines ``symbol`` in the process's global scope (LD_PRELOAD comes first)."""
-    import ctypes
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
 
-    class DlInfo(ctypes.Structure):
-        _fields_ = [
-            ("dli_fname", ctypes.c_char_p),
-            ("dli_fbase", ctypes.c_void_p),
-            ("dli_sname", ctypes.c_char_p),
-            ("dli_saddr", ctypes.c_void_p),
-        ]
 
+def _library_of(address: int | None) -> str | None:
+    """The shared library that holds ``address`` (dladdr), or None."""
+    if not address:
+        return None
     try:
-        process = ctypes.CDLL(None)
-        address = ctypes.cast(getattr(process, symbol), ctypes.c_void_p)
-        info = DlInfo()
-        if not process.dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        info = _DlInfo()
+        if not ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info)):
             return None
-        return os.fsdecode(info.dli_fname)
     except (AttributeError, OSError):
         return None
+    return os.path.normpath(os.fsdecode(info.dli_fname)) if info.dli_fname else None
+
+
+def _global_symbol_library(symbol: str) -> str | None:
+    """The file that defines ``symbol`` in the process's global scope (LD_PRELOAD comes first)."""
+    try:
+        address = ctypes.cast(getattr(ctypes.CDLL(None), symbol), ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return None
+    return _library_of(address)
+
+
+def _got_slot(path: str, symbol: str) -> tuple[int, int] | None:
+    """(GOT slot address, first PT_LOAD address) of ``symbol`` in a 64-bit little-endian ELF
+    shared library, both relative to its load base before alignment; None if it has none."""
+    with open(path, "rb") as f:
+
+        def read(offset: int, size: int) -> bytes:
+            f.seek(offset)
+            return f.read(size)
+
+        head = read(0, 64)
+        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return None
+        phoff, shoff = struct.unpack_from("<QQ", head, 0x20)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 0x36)
+        phdrs = read(phoff, phentsize * phnum)
+        vaddrs = [struct.unpack_from("<I12xQ", phdrs, i * phentsize) for i in range(phnum)]
+        first_load = min((vaddr for kind, vaddr in vaddrs if kind == 1), default=0)  # PT_LOAD
+        raw = read(shoff, shentsize * shnum)
+        # (type, file offset, size, linked section) of each section
+        sections = [struct.unpack_from("<4xI16xQQI", raw, i * shentsize) for i in range(shnum)]
+        wanted = symbol.encode() + b"\0"
+        for kind, offset, size, link in sections:
+            if kind != 4:  # SHT_RELA (.rela.dyn, .rela.plt), whose symbols are in .dynsym
+                continue
+            _, sym_offset, sym_size, str_link = sections[link]
+            strings = read(sections[str_link][1], sections[str_link][2])
+            names = struct.iter_unpack("<I20x", read(sym_offset, sym_size))
+            index = next((i for i, (n,) in enumerate(names) if strings.startswith(wanted, n)), None)
+            if index is None:
+                continue
+            for slot, info, _addend in struct.iter_unpack("<QQq", read(offset, size)):
+                if info >> 32 == index:
+                    return slot, first_load
+    return None
+
+
+def _mlx_blas_library(symbol: str = "cblas_sgemm") -> str | None:
+    """The library mlx really calls for ``symbol``: the address the dynamic linker wrote into
+    libmlx's GOT slot. Loading OpenBLAS after mlx changes what dlsym finds, not what mlx calls."""
+    maps = []
+    try:
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                maps.append((start, end, int(parts[2], 16), parts[5]))
+    except (OSError, ValueError):
+        return None
+    for path in dict.fromkeys(m[3] for m in maps if Path(m[3]).name.startswith("libmlx")):
+        try:
+            slot = _got_slot(path, symbol)
+        except (OSError, struct.error, IndexError):
+            continue
+        base = next((start for start, _, off, p in maps if p == path and off == 0), None)
+        if slot is None or base is None:
+            continue
+        address = base - (slot[1] & ~0xFFF) + slot[0]
+        if not any(s <= address < e - 8 for s, e, _, p in maps if p == path):
+            continue  # never read outside the library's own mappings
+        return _library_of(ctypes.c_void_p.from_address(address).value)
+    return None
 
 
 def _family(path: str) -> str:
@@ -111,14 +186,15 @@ def _family(path: str) -> str:
 def blas_in_use(libs: list[str] | None = None) -> BlasInfo:
     """The BLAS that mlx's float32 products (``cblas_sgemm``) go through in this process.
 
-    A library in the global scope (LD_PRELOAD, or loaded RTLD_GLOBAL) wins over the reference
-    ``libblas`` that the mlx[cpu] wheel bundles and loads privately. numpy's ``scipy_openblas``
-    does not count: its symbols are prefixed, so mlx cannot bind to it.
+    Read from the slot mlx's calls go through once mlx is loaded; before that (or where the slot
+    cannot be read), the global scope's ``cblas_sgemm`` (LD_PRELOAD, or a library loaded
+    RTLD_GLOBAL), else the first BLAS mapped. numpy's ``scipy_openblas`` does not count: its
+    symbols are prefixed, so mlx cannot bind to it. ``libs``: decide from this list alone.
     """
     if sys.platform == "darwin":
         return BlasInfo("accelerate", None)
     if libs is None:
-        found = _global_symbol_library("cblas_sgemm")
+        found = _mlx_blas_library() or _global_symbol_library("cblas_sgemm")
         if found:
             return BlasInfo(_family(found), found)
         libs = mapped_libraries()
@@ -137,8 +213,6 @@ def openblas_details() -> dict[str, Any] | None:
     The kernel set decides how cheap a few-row product is: on an AVX-512 CPU OpenBLAS 0.3.21
     picked Cooperlake kernels and a 5-token SmolLM2 pass cost 1.3x one token, against 1.6x
     with the AVX2 (Zen/Haswell) kernels of an older CPU. ``OPENBLAS_CORETYPE`` overrides it."""
-    import ctypes
-
     try:
         process = ctypes.CDLL(None)
         corename = process.openblas_get_corename
@@ -162,41 +236,65 @@ def _cuda_wheel_installed() -> bool:
     return False
 
 
-def preload_plan(env: dict[str, str] | None = None, libs: list[str] | None = None) -> Path | None:
-    """The OpenBLAS to preload by re-executing, or None when nothing should be done."""
+class BlasWarning(MacspecWarning):
+    """MLX's float32 products run on a slow BLAS although a fast one is installed."""
+
+
+# What `import macspec` did: the OpenBLAS it loaded, or why it loaded none (for `macspec doctor`).
+LOADED: Path | None = None
+NOT_LOADED_REASON: str | None = None
+
+
+def openblas_to_load(env: dict[str, str] | None = None) -> Path | None:
+    """The OpenBLAS that ``load_fast_blas`` would load now, or None where nothing should be done:
+    not Linux, opted out, a fast BLAS already in the global scope, none installed, or mlx[cuda]
+    (its products run on the GPU)."""
     env = os.environ if env is None else env
     if not sys.platform.startswith("linux") or env.get(OPT_OUT_ENV, "") not in ("", "0"):
         return None
-    if env.get(REEXEC_ENV):
-        return None  # already re-executed once: whatever happened, do not loop
-    if blas_in_use(libs).fast:
+    found = _global_symbol_library("cblas_sgemm")
+    if found and _family(found) in ("openblas", "mkl", "blis"):
         return None
     lib = find_openblas()
     if lib is None or _cuda_wheel_installed():
-        return None  # on CUDA the products run on the GPU, so the CPU BLAS does not matter
+        return None
     return lib
 
 
-def ensure_fast_blas() -> None:
-    """Re-execute this command once with OpenBLAS preloaded when it can be had and is not loaded.
+def load_fast_blas() -> Path | None:
+    """Load OpenBLAS with RTLD_GLOBAL before ``mlx.core`` is first imported, so that mlx binds its
+    BLAS calls to it (``import macspec`` does this); the library loaded, or None.
 
-    A no-op on macOS (Accelerate), with mlx[cuda], with ``MACSPEC_NO_BLAS_PRELOAD=1``, when an
-    optimized BLAS is already mapped, or when no system OpenBLAS is installed.
+    Once mlx.core is loaded its calls are bound for good: then, if it runs on a slow BLAS while an
+    OpenBLAS is installed, warn (BlasWarning) with the remedy. Opt out: MACSPEC_NO_BLAS_PRELOAD=1.
     """
-    lib = preload_plan()
+    global LOADED, NOT_LOADED_REASON
+    lib = openblas_to_load()
     if lib is None:
-        return
-    env = dict(os.environ)
-    env[REEXEC_ENV] = str(lib)
-    env["LD_PRELOAD"] = " ".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    argv[0] = sys.executable
-    sys.stdout.flush()
-    sys.stderr.flush()
+        return None
+    if "mlx.core" in sys.modules:
+        if not blas_in_use().fast:
+            NOT_LOADED_REASON = "mlx.core was imported before macspec"
+            warnings.warn(
+                f"mlx.core was imported before macspec, so MLX's float32 products run on "
+                f"{blas_in_use().describe()}, 10-30x slower than the installed OpenBLAS: "
+                f"import macspec before mlx and mlx_lm, or start Python with LD_PRELOAD={lib}",
+                BlasWarning,
+                stacklevel=3,
+            )
+        return None
     try:
-        os.execve(sys.executable, argv, env)
-    except OSError:
-        return  # cannot re-exec (odd launcher): run on at reference-BLAS speed
+        ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:  # e.g. a pip OpenBLAS without the system's libgfortran
+        NOT_LOADED_REASON = f"cannot load {lib}: {e}"
+        warnings.warn(
+            f"{NOT_LOADED_REASON}; MLX's float32 products use its reference BLAS",
+            BlasWarning,
+            stacklevel=3,
+        )
+        return None
+    LOADED = lib
+    return lib
 
 
 def detect_backend() -> str:

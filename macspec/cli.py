@@ -42,10 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None:  # the real command, not a test calling main([...]): re-exec with OpenBLAS once
-        from .backend import ensure_fast_blas
-
-        ensure_fast_blas()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

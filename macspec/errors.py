@@ -32,3 +32,7 @@ class ConvertError(MacspecError):
 class CacheError(MacspecError):
     """A model's cache could not be brought to the length a round needs; going on would make
     the output silently differ from the target's own."""
+
+
+class MacspecWarning(UserWarning):
+    """Base class of macspec's warnings: something works, but slower or worse than it could."""

@@ -26,7 +26,7 @@ from .errors import ConvertError, ModelError, OptionError
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored model
-CATALOG = Path(__file__).resolve().parent.parent / "models" / "catalog.json"
+CATALOG = Path(__file__).resolve().parent / "data" / "catalog.json"  # package data
 _TMP_PREFIX = ".tmp-"
 
 
@@ -329,7 +329,7 @@ def list_models() -> list[ModelInfo]:
 
 
 def load_catalog(path: Path = CATALOG) -> list[dict]:
-    """The recommended target/draft pairs (models/catalog.json)."""
+    """The recommended target/draft pairs (macspec/data/catalog.json)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -376,7 +376,8 @@ def ensure_pair(name: str) -> tuple[Path, Path | None]:
     if name == "default":
         from .default import default_draft, default_target
 
-        return default_target(), default_draft()
+        draft = default_draft()  # checked first: a broken install fails before any download
+        return default_target(), draft
     pairs = load_catalog()
     for pair in pairs:
         if pair["name"] == name:
@@ -407,6 +408,15 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
+def _default_row(root: Path) -> list[str]:
+    from . import default
+
+    have = any(is_model_dir(root / default._store_name(f)) for f in default.FORMATS)
+    draft = default.DRAFT_DIR.name if default.DRAFT_DIR.is_dir() else "missing: reinstall"
+    target = f"{default.BASE_NAME} (PyPI {default.WHEEL_REQUIREMENT})"
+    return ["default", "any", target, draft, "yes" if have else "no", "Apache-2.0; no HF account"]
+
+
 def models(*, pairs: bool = False, json_output: bool = False) -> int:
     """Print the store (or the pair catalog); returns an exit code."""
     if pairs:
@@ -417,7 +427,7 @@ def models(*, pairs: bool = False, json_output: bool = False) -> int:
             return 0
         rows = [["PAIR", "MEMORY", "TARGET", "DRAFT", "IN STORE", "NOTE"]]
         root = store_root()
-        rows.append(["default", "any", "SmolLM2-135M-Instruct (embedded)", "-", "", "no download"])
+        rows.append(_default_row(root))
         for p in catalog:
             have = [is_model_dir(root / p[k]["name"]) for k in ("target", "draft") if p.get(k)]
             fits = mem is None or mem >= p.get("min_memory_gb", 0) * 1e9

@@ -1,7 +1,6 @@
+import macspec  # noqa: I001  first, so that it loads OpenBLAS before anything imports mlx
 import pytest
 from tinymodels import make_tiny_model
-
-import macspec
 
 SMALL = "abcd"  # a 7-id vocabulary (3 specials + 4 chars) for distribution tests
 

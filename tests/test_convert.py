@@ -19,7 +19,7 @@ from tinymodels import make_tiny_model
 from macspec import cli, default
 from macspec import convert as convert_mod
 from macspec.convert import convert
-from macspec.errors import ConvertError, OptionError
+from macspec.errors import ConvertError, ModelError, OptionError
 from macspec.store import model_info, resolve_model, store_root
 
 IDS = [1, 5, 9, 12, 30, 41, 7, 3]
@@ -315,8 +315,7 @@ def test_default_format_and_draft(monkeypatch, tmp_path):
     monkeypatch.setenv("MACSPEC_DEFAULT_FORMAT", "int3")
     with pytest.raises(OptionError):
         default.default_format()
-    monkeypatch.setattr(default, "DRAFT_DIRS", (tmp_path / "none",))
-    assert default.default_draft() is None
-    draft = make_tiny_model(tmp_path / "draft")
-    monkeypatch.setattr(default, "DRAFT_DIRS", (tmp_path / "none", draft))
-    assert default.default_draft() == draft
+    assert default.default_draft() == default.DRAFT_DIR  # shipped with the package
+    monkeypatch.setattr(default, "DRAFT_DIR", tmp_path / "none")
+    with pytest.raises(ModelError, match="lacks config.json, draft.json, model.safetensors;"):
+        default.default_draft()

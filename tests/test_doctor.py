@@ -1,4 +1,4 @@
-"""Backend detection, the OpenBLAS re-exec and `macspec doctor`."""
+"""Backend detection, the OpenBLAS that `import macspec` loads, and `macspec doctor`."""
 
 from __future__ import annotations
 
@@ -28,13 +28,12 @@ def test_blas_classification_from_mapped_libraries():
     assert be.blas_in_use([DEBIAN_OB]).fast
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="preloading is Linux-only")
-def test_preload_plan_guards():
-    slow = [MLX_REF]
-    assert be.preload_plan({be.OPT_OUT_ENV: "1"}, slow) is None
-    assert be.preload_plan({be.REEXEC_ENV: DEBIAN_OB}, slow) is None
-    assert be.preload_plan({}, [DEBIAN_OB, MLX_REF]) is None
-    assert be.preload_plan({}, slow) == be.find_openblas()
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loading is Linux-only")
+def test_nothing_to_load_when_opted_out_or_already_loaded():
+    assert be.openblas_to_load({be.OPT_OUT_ENV: "1"}) is None
+    if be.find_openblas() is not None:  # this process imported macspec, which loaded it
+        assert be.LOADED == be.find_openblas() or os.environ.get("LD_PRELOAD")
+        assert be.openblas_to_load({}) is None
 
 
 def test_openblas_candidates_cover_debian_pthread_path():
@@ -69,11 +68,14 @@ def test_doctor_json(capsys):
     assert report["advice"] and report["weight_format"]["dtype"] in ("float32", "bfloat16", "4bit")
 
 
+def _clean_env(**env: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}, **env}
+
+
 def _doctor_subprocess(**env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", be.REEXEC_ENV)}
     out = subprocess.run(
         [sys.executable, "-m", "macspec", "doctor", "--json"],
-        env={**clean, **env},
+        env=_clean_env(**env),
         capture_output=True,
         text=True,
         check=True,
@@ -81,17 +83,63 @@ def _doctor_subprocess(**env: str) -> dict:
     return json.loads(out)
 
 
-@pytest.mark.skipif(be.find_openblas() is None, reason="no system OpenBLAS to preload")
-def test_command_reexecs_with_openblas_and_opt_out_works():
+NO_OPENBLAS = "no Debian OpenBLAS (apt-get install libopenblas0-pthread)"
+
+
+@pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+def test_command_loads_openblas_in_process_and_opt_out_works():
     fast = _doctor_subprocess()
-    assert fast["blas"] == "openblas" and fast["blas_preloaded_by_macspec"]
+    assert fast["blas"] == "openblas" and fast["blas_loaded_by_macspec"] == str(be.find_openblas())
     assert fast["openblas"]["core"] and fast["openblas"]["threads"] >= 1
     slow = _doctor_subprocess(**{be.OPT_OUT_ENV: "1"})
-    assert slow["blas"] != "openblas" and not slow["blas_preloaded_by_macspec"]
+    assert slow["blas"] == "reference" and slow["blas_loaded_by_macspec"] is None
     assert slow["openblas"] is None
 
 
-@pytest.mark.skipif(be.find_openblas() is None, reason="no system OpenBLAS to preload")
+def _script(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        env=_clean_env(**env),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+
+
+REPORT = (
+    "import json; from macspec.backend import blas_in_use, openblas_details\n"
+    "import mlx.core as mx\n"
+    "mx.eval(mx.ones((8, 64)) @ mx.ones((64, 64)))\n"
+    "print(json.dumps([blas_in_use().kind, blas_in_use().path, openblas_details()]))\n"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] on Linux only")
+@pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+def test_a_script_importing_macspec_runs_mlx_on_openblas():
+    # blas_in_use reads the slot mlx's cblas_sgemm calls go through, not just what is loaded
+    done = _script("import macspec\n" + REPORT)
+    kind, path, details = json.loads(done.stdout)
+    assert (kind, path) == ("openblas", str(be.find_openblas()))
+    assert details["threads"] >= 1
+    assert "Warning" not in done.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] on Linux only")
+@pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+def test_mlx_imported_before_macspec_warns_once_with_the_remedy():
+    code = "import mlx.core\nimport macspec\nimport importlib; importlib.import_module('macspec')\n"
+    done = _script(code + REPORT)
+    kind, path, details = json.loads(done.stdout)
+    # OpenBLAS loaded after mlx would fool a look-up by name; mlx's calls still go to its own BLAS
+    assert kind == "reference" and details is None
+    assert done.stderr.count("BlasWarning") == 1
+    assert "import macspec before mlx" in done.stderr
+    assert f"LD_PRELOAD={be.find_openblas()}" in done.stderr
+    assert _script(code + REPORT, **{be.OPT_OUT_ENV: "1"}).stderr == ""  # opted out: no warning
+
+
+@pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
 def test_doctor_reports_the_openblas_kernels_in_use():
     # Debian's OpenBLAS picks kernels per CPU at start-up; OPENBLAS_CORETYPE forces a set.
     forced = _doctor_subprocess(OPENBLAS_CORETYPE="Haswell", OPENBLAS_NUM_THREADS="1")

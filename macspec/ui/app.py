@@ -1,14 +1,16 @@
 """The `macspec chat` Textual app: a conversation whose tokens are coloured by where they came from.
 
-Generation runs in a thread worker that iterates `macspec.stream_generate` and hands the UI one
-update per verification round; Esc sets a flag the worker checks each round and closes the
-generator.
+Generation runs on the app's one MLX thread (`MlxThread`), iterating `macspec.stream_generate` and
+handing the UI one update per verification round; Esc sets a flag it checks each round and closes
+the generator.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,38 @@ def _worker_stream() -> Any:
 
 
 _THREAD_STREAM: Any = None
+
+
+def _release_thread_state() -> None:
+    import mlx.core as mx
+
+    clear = getattr(mx, "clear_streams", None)  # MLX >= 0.31.2, where this state became per-thread
+    if clear is not None:
+        clear()
+
+
+class MlxThread:
+    """The one thread that runs the app's MLX work, kept for the app's lifetime.
+
+    MLX keeps per-thread state whose destructors take the GIL (the compile cache, the random key).
+    A thread that ends while Python shuts down then aborts the process ("terminate called without
+    an active exception"), so `close` frees that state on this thread (mx.clear_streams, with the
+    GIL held) and joins it before the app returns."""
+
+    def __init__(self) -> None:
+        self._executor: ThreadPoolExecutor | None = None
+
+    def run(self, fn: Any, *args: Any) -> asyncio.Future:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="macspec-generate")
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Wait for the running job (callers set its stop flag first), free MLX's state, join."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.submit(_release_thread_state)
+            executor.shutdown(wait=True)
 
 
 class RoundReady(Message):
@@ -153,7 +187,7 @@ class ChatApp(App):
         self.busy = False
         self.conversation_id = 0
         self._stop = threading.Event()
-        self._pair_lock = threading.Lock()  # one generation at a time on the pair
+        self._mlx = MlxThread()  # one thread: one generation at a time on the pair
         self._fading: tuple[Reply, Static | None] | None = None  # a finished reply still fading
         self._replies: list[tuple[Reply, Static]] = []  # every reply shown, for redraws
         self._redraw_pending = False
@@ -307,15 +341,21 @@ class ChatApp(App):
             options["speculative"] = False
         self._generate(prompt, options, self._stop, self.conversation_id)
 
-    @work(thread=True, exclusive=False, exit_on_error=False, group="generate")
-    def _generate(
+    @work(exclusive=False, exit_on_error=False, group="generate")
+    async def _generate(
         self, prompt: str, options: dict[str, Any], stop: threading.Event, conversation: int
     ) -> None:
+        await self._mlx.run(self._answer, prompt, options, stop, conversation)
+
+    def _answer(
+        self, prompt: str, options: dict[str, Any], stop: threading.Event, conversation: int
+    ) -> None:
+        """Runs on the MLX thread: posts each round, then GenerationDone."""
         import macspec
 
         error: BaseException | None = None
         stream = None
-        with self._pair_lock, _worker_stream():
+        with _worker_stream():
             try:
                 stream = macspec.stream_generate(self.pair, prompt, **options)
                 for event in stream:
@@ -450,3 +490,8 @@ class ChatApp(App):
     async def action_quit(self) -> None:
         self._stop.set()
         self.exit()
+
+    def on_unmount(self) -> None:
+        # the last thing the app does: the answer stops at its next round, then MLX's thread ends
+        self._stop.set()
+        self._mlx.close()
