@@ -9,14 +9,14 @@ from .api import (  # noqa: E402
     GenerationResult,
     GenerationStats,
     GenerationStream,
-    Pair,
     RoundEvent,
     generate,
-    load,
     stream_generate,
 )
 from .backend import BlasWarning  # noqa: E402
+from .engine.sampling import SamplingOptions  # noqa: E402
 from .errors import (  # noqa: E402
+    CacheError,
     CompatError,
     ConvertError,
     MacspecError,
@@ -25,14 +25,17 @@ from .errors import (  # noqa: E402
     OptionError,
     PromptError,
 )
-from .sampling import SamplingOptions  # noqa: E402
+from .options import GenerationOptions  # noqa: E402
+from .pair import Pair, load  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlasWarning",
+    "CacheError",
     "CompatError",
     "ConvertError",
+    "GenerationOptions",
     "GenerationResult",
     "GenerationStats",
     "GenerationStream",

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 import macspec
-from macspec import distributed
+from macspec.engine import distributed
 
 
 def main() -> int:

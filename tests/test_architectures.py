@@ -10,7 +10,7 @@ import archzoo
 import pytest
 
 import macspec
-from macspec import caches
+from macspec.engine import caches
 from macspec.errors import ModelError
 
 PROMPT = archzoo.make_prompt()  # 36 ids, longer than every window (8)

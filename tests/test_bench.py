@@ -7,11 +7,11 @@ import json
 import pytest
 from tinymodels import make_tiny_model
 
-from macspec import bench as bm
-from macspec.api import COPY_FACTOR
 from macspec.cli import main
+from macspec.engine.policy import COPY_FACTOR
 from macspec.errors import OptionError, PromptError
-from macspec.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts, render
+from macspec.tools import bench as bm
+from macspec.tools.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts, render
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +246,7 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
 def test_charts_of_the_final_run_shape(tmp_path):
     """One repeat: min == median == max, whose scaled difference rounds below zero (a real run
     crashed on it); the whiskers must then be zero, not an error."""
-    from macspec.bench import write_charts
+    from macspec.tools.bench import write_charts
 
     cell = {
         "temperature": 0.0,

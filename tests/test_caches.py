@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from macspec import caches
+from macspec.engine import caches
 from macspec.errors import CacheError
 
 

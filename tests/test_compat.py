@@ -10,8 +10,8 @@ from tinymodels import DEFAULT_CHARS, make_tiny_model
 from tokenizers import Tokenizer, processors
 
 from macspec.cli import main
-from macspec.compat import PROBES, Mismatch, check, check_tokenizers
 from macspec.errors import CompatError
+from macspec.models.compat import PROBES, Mismatch, check, check_tokenizers
 
 N_TOKENS = 3 + len(DEFAULT_CHARS)  # <pad> <s> </s>, then one id per character
 N_PROBES = len(PROBES) + 1  # the built-in texts and the target's rendered chat

@@ -16,11 +16,12 @@ from huggingface_hub import constants
 from mlx_lm.utils import load_model
 from tinymodels import make_tiny_model
 
-from macspec import cli, default
-from macspec import convert as convert_mod
-from macspec.convert import convert
+from macspec import cli
 from macspec.errors import ConvertError, ModelError, OptionError
-from macspec.store import model_info, resolve_model, store_root
+from macspec.models import convert as convert_mod
+from macspec.models import default
+from macspec.models.convert import convert
+from macspec.models.store import model_info, resolve_model, store_root
 
 IDS = [1, 5, 9, 12, 30, 41, 7, 3]
 
@@ -255,7 +256,9 @@ def test_gated_and_missing_repos(monkeypatch):
 
 def test_cli_convert_then_models(tiny, capsys, monkeypatch):
     # Only this subcommands, so other modules being edited cannot break this test.
-    monkeypatch.setattr(cli, "COMMANDS", {"convert": "macspec.convert", "models": "macspec.store"})
+    monkeypatch.setattr(
+        cli, "COMMANDS", {"convert": "macspec.models.convert", "models": "macspec.models.catalog"}
+    )
     assert cli.main(["convert", str(tiny), "-o", "cli-tiny", "--dtype", "float32"]) == 0
     assert capsys.readouterr().out.strip() == str(store_root() / "cli-tiny")
     assert cli.main(["convert", str(tiny), "-o", "cli-tiny"]) == 1

@@ -11,12 +11,12 @@ from mlx.utils import tree_flatten
 from tinymodels import make_tiny_model
 
 import macspec
-from macspec import distill as d
 from macspec.cli import main
-from macspec.compat import check
-from macspec.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
+from macspec.engine.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
 from macspec.errors import MacspecError, ModelError, OptionError, PromptError
-from macspec.store import _acceptance
+from macspec.models.compat import check
+from macspec.models.store import _acceptance
+from macspec.tools import distill as d
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 
@@ -245,7 +245,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
     the real positions up to the anchor and to its own earlier drafted positions only."""
     from mlx_lm.models.cache import KVCache
 
-    from macspec.engine import hidden_states
+    from macspec.engine.round import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
     mx.random.seed(3)
@@ -268,7 +268,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
 def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
     """With taps, each shard row holds the target's own layer outputs at every position (left
     padding is exact there too), and Dataset joins them before the final features."""
-    from macspec.engine import hidden_states
+    from macspec.engine.round import hidden_states
 
     pair = macspec.load(run[0])
     taps = d.feature_taps(len(pair.target.model.layers))
@@ -305,7 +305,7 @@ def test_a_partial_data_cycle_covers_prompts_of_every_length():
 
 def test_widened_draft_predicts_what_it_did(tmp_path):
     """widen_draft: a final-features draft given tapped layers starts out exactly as it was."""
-    from macspec.engine import hidden_states
+    from macspec.engine.round import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=3)).target
     mx.random.seed(5)

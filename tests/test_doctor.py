@@ -147,7 +147,7 @@ def test_doctor_reports_the_openblas_kernels_in_use():
 
 
 def test_advice_on_avx2_kernels_forced_onto_an_avx512_cpu():
-    from macspec.doctor import advice
+    from macspec.tools.doctor import advice
 
     report = {
         "backend": "cpu",

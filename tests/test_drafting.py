@@ -6,10 +6,10 @@ from test_exactness import DEPTH, PROMPT, N, resample_from_p
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.engine as engine
-from macspec.api import COPY_FACTOR
-from macspec.drafters import COPY_PRIORS, NgramDrafter, match_label
-from macspec.policy import AdaptiveK, Costs
+import macspec.engine.round as engine
+from macspec.engine.calibrate import calibrate
+from macspec.engine.drafters import COPY_PRIORS, NgramDrafter, match_label
+from macspec.engine.policy import COPY_FACTOR, AdaptiveK, Costs
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,13 @@ SLOW_DRAFT = Costs(plain_step=1.0, draft_step=0.3, extra=0.1)
 
 @pytest.fixture()
 def costs(monkeypatch):
-    """Make every pair's calibration return the given costs."""
+    """Make every pair loaded from now on measure the given costs; pairs loaded earlier (shared
+    fixtures) get them for this test."""
 
-    def use(c: Costs) -> None:
-        monkeypatch.setattr(macspec.api, "calibrate", lambda pair: c)
+    def use(c: Costs, *loaded: macspec.Pair) -> None:
+        monkeypatch.setattr(macspec.pair, "calibrate", lambda pair: c)
+        for p in loaded:
+            monkeypatch.setattr(p, "costs", c)
 
     return use
 
@@ -119,7 +122,7 @@ def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch)
 
 def test_adaptive_ngram_distribution_matches_target(small_ngram, costs):
     """Adaptive K per match length (copies up to COPY_FACTOR x num_draft), at temperature 1."""
-    costs(CHEAP_DRAFT)
+    costs(CHEAP_DRAFT, small_ngram)
     options = {"temperature": 1.0, "min_p": 0.05}
     expected = exact_joint(small_ngram, PROMPT, DEPTH, **options)
     counts = sample_prefixes(small_ngram, PROMPT, DEPTH, N, num_draft=2, **options)
@@ -210,7 +213,7 @@ def test_policy_picks_longer_drafts_for_higher_acceptance():
 
 
 def test_calibration_measures_positive_costs(pair):
-    c = macspec.api.calibrate(pair)
+    c = calibrate(pair)
     assert c.plain_step > 0 and c.draft_step > 0 and c.extra >= 0
     assert [k for k, _ in c.verify] == [1, 2, 4, 8, 16]
     assert all(t > 0 for _, t in c.verify)

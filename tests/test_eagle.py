@@ -10,10 +10,10 @@ from exactness import chi_square, exact_joint, sample_prefixes
 from tinymodels import make_tiny_model
 
 import macspec
-from macspec.compat import check
-from macspec.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config, save_draft
-from macspec.engine import hidden_states
+from macspec.engine.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config, save_draft
+from macspec.engine.round import hidden_states
 from macspec.errors import ModelError
+from macspec.models.compat import check
 
 
 def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_layers=()):

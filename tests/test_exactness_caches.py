@@ -7,7 +7,7 @@ import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
-from macspec import caches
+from macspec.engine import caches
 
 PROMPT = [3, 4, 5, 6, 3, 4, 7, 8]  # longer than the window (4): positions past it wrap
 DEPTH = 4  # a plain step, then rounds of K=2

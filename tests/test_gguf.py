@@ -12,9 +12,9 @@ from gguf_helpers import hf_to_gguf, make_bpe_model
 from mlx_lm.utils import load_model, load_tokenizer
 from tinymodels import make_tiny_model
 
-from macspec.convert import convert
 from macspec.errors import ConvertError
-from macspec.store import store_root
+from macspec.models.convert import convert
+from macspec.models.store import store_root
 
 TEXTS = [
     "The quick brown fox, it's 12345 o'clock!",

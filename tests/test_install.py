@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from macspec import default
 from macspec.errors import ModelError
+from macspec.models import default
 
 REPO = Path(__file__).resolve().parent.parent
 DRAFT_FILES = sorted(p.name for p in (REPO / "macspec" / "data" / "default-draft").iterdir())
@@ -81,7 +81,7 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
 def _default_home() -> Path:
     """The store the suite shares with the user (MACSPEC_HOME, else the platform cache), where the
     default target is converted once."""
-    from macspec.store import store_root
+    from macspec.models.store import store_root
 
     return store_root().parent
 
@@ -103,7 +103,7 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     assert package.is_relative_to(venv) and not package.is_relative_to(REPO)
     assert got["kind"] == "eagle+ngram"
     assert Path(got["draft"]) == package / "data" / "default-draft"
-    assert got["target"] == default._store_name(default.default_format()[0])
+    assert got["target"] == default.store_name(default.default_format()[0])
 
     pairs = _run([venv / "bin" / "macspec", "models", "--pairs", "--json"], env=env, cwd=venv)
     assert pairs.returncode == 0, pairs.stderr

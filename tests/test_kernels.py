@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 
-from macspec import kernels
+from macspec.engine import kernels
 
 
 def _model(module, **over):

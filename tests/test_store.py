@@ -11,10 +11,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
 from tinymodels import make_tiny_model
 
-from macspec import store
 from macspec.errors import ModelError, OptionError
-from macspec.store import (
-    ensure_pair,
+from macspec.models import catalog, store
+from macspec.models.catalog import ensure_pair
+from macspec.models.store import (
     list_models,
     load_catalog,
     model_info,
@@ -116,16 +116,16 @@ def test_fingerprint_depends_on_vocabulary_only(tmp_path):
 
 
 def test_models_command(capsys, tmp_path):
-    assert store.models() == 0
+    assert catalog.models() == 0
     assert "No models in the store" in capsys.readouterr().out
     make_tiny_model(store_root() / "alpha")
     make_tiny_model(store_root() / "beta", chars="xyz")
-    assert store.models() == 0
+    assert catalog.models() == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0].split() == ["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE"]
     assert lines[1].startswith("alpha") and lines[2].startswith("beta")
-    assert store.models(json_output=True) == 0
+    assert catalog.models(json_output=True) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == ["alpha", "beta"]
     assert rows[0]["fingerprint"] != rows[1]["fingerprint"]
@@ -150,16 +150,15 @@ def test_catalog_is_well_formed():
 
 
 def test_ensure_pair_fetches_only_what_is_missing(tmp_path, monkeypatch):
-    catalog = tmp_path / "catalog.json"
+    catalog_file = tmp_path / "catalog.json"
     pair = {
         "name": "p",
         "min_memory_gb": 1,
         "target": {"source": "org/big", "name": "big-4bit", "q": "4"},
         "draft": {"source": "org/small", "name": "small", "q": "none"},
     }
-    catalog.write_text(json.dumps({"pairs": [pair]}))
-    monkeypatch.setattr(store, "CATALOG", catalog)
-    monkeypatch.setattr(store.load_catalog, "__defaults__", (catalog,))
+    catalog_file.write_text(json.dumps({"pairs": [pair]}))
+    monkeypatch.setattr(store.load_catalog, "__defaults__", (catalog_file,))
     target = make_tiny_model(store_root() / "big-4bit")
     calls = []
 
@@ -167,9 +166,7 @@ def test_ensure_pair_fetches_only_what_is_missing(tmp_path, monkeypatch):
         calls.append((source, output, kw["q"]))
         return make_tiny_model(store_root() / output)
 
-    import macspec.convert
-
-    monkeypatch.setattr(macspec.convert, "convert", fake_convert)
+    monkeypatch.setattr(catalog.converter, "convert", fake_convert)
     assert ensure_pair("p") == (target, store_root() / "small")
     assert calls == [("org/small", "small", "none")]
     assert ensure_pair("p") == (target, store_root() / "small")
@@ -179,7 +176,7 @@ def test_ensure_pair_fetches_only_what_is_missing(tmp_path, monkeypatch):
 
 
 def test_ensure_default_pair(monkeypatch, tmp_path):
-    from macspec import default
+    from macspec.models import default
 
     monkeypatch.setattr(default, "default_target", lambda: tmp_path / "t")
     monkeypatch.setattr(default, "default_draft", lambda: None)
@@ -187,7 +184,7 @@ def test_ensure_default_pair(monkeypatch, tmp_path):
 
 
 def test_pairs_listing(capsys):
-    assert store.models(pairs=True) == 0
+    assert catalog.models(pairs=True) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].split()[:4] == ["PAIR", "MEMORY", "TARGET", "DRAFT"]
     assert "default" in out and "qwen2.5-7b" in out and "macspec chat --pair NAME" in out

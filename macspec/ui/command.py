@@ -62,7 +62,7 @@ def _load_pair(args: argparse.Namespace) -> Any:
             raise OptionError("--pair names both models: leave out --target/--draft")
         target, draft = _catalog_pair(args.pair)
     kwargs = {"drafter": args.drafter} if args.drafter else {}
-    from ..distributed import init_group, serve_if_follower
+    from ..engine.distributed import init_group, serve_if_follower
 
     # Under mlx.launch the target is sharded: the chat runs on rank 0, the other ranks serve it.
     pair = macspec.load(target, draft, group=init_group(), **kwargs)
@@ -72,7 +72,7 @@ def _load_pair(args: argparse.Namespace) -> Any:
 
 def _catalog_pair(name: str) -> tuple[Any, Any]:
     try:
-        from ..store import ensure_pair  # the pair catalog; fetches what is missing
+        from ..models.store import ensure_pair  # the pair catalog; fetches what is missing
     except ImportError:
         raise OptionError(
             f"--pair {name}: this build has no pair catalog; use --target and --draft"

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .caches import describe_kinds
-from .errors import CompatError, ModelError
+from ..engine.caches import describe_kinds
+from ..errors import CompatError, ModelError
+from .store import resolve_model
 
 # Files that define a tokenizer; identical bytes on both sides mean an identical tokenizer.
 TOKENIZER_FILES = (
@@ -313,9 +314,7 @@ def _same_files(a: Path, b: Path) -> bool:
 
 def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = None) -> CompatReport:
     """Check that the draft model can draft for the target (model directories or store names)."""
-    from .api import _resolve  # directories or store names, as `macspec.load` takes them
-
-    target_dir, draft_dir = _resolve(target), _resolve(draft)
+    target_dir, draft_dir = resolve_model(target), resolve_model(draft)
     report = check_tokenizers(
         _load_tokenizer(target_dir),
         _load_tokenizer(draft_dir),
@@ -342,7 +341,7 @@ def _check_caches(report: CompatReport, side: str, path: Path) -> None:
         return
     from mlx_lm.utils import load_model
 
-    from . import caches
+    from ..engine import caches
 
     try:
         model, _ = load_model(path, lazy=True)

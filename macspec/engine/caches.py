@@ -42,7 +42,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from .errors import CacheError, ModelError
+from ..errors import CacheError, ModelError
 
 # Cache classes that are exact when trimmed by offset (appended keys, nothing evicted).
 _TRIMMABLE = (KVCache, ConcatenateKVCache, QuantizedKVCache)

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .errors import MacspecError, ModelError, OptionError
+from ..errors import MacspecError, ModelError, OptionError
 from .prompts import KINDS, builtin_prompts, load_prompts, render
 
 METHODS = ("mlx_lm", "mlx_lm_spec", "macspec", "macspec_adaptive", "macspec_ngram", "macspec_plain")
@@ -49,7 +49,7 @@ class Method:
         }
         name = names[self.method]
         if self.method in ("macspec_adaptive", "macspec_ngram"):  # the engine's adaptive K;
-            from .api import COPY_FACTOR  # n-gram copies (no draft time) may run longer
+            from ..engine.policy import COPY_FACTOR  # n-gram copies may run longer
 
             return f"{name} K<={self.num_draft} (copies<={COPY_FACTOR * self.num_draft})"
         return f"{name} K={self.num_draft}" if self.method in _PER_K else name
@@ -146,7 +146,7 @@ class Runner:
         mx.reset_peak_memory()
         counter = _Counter(rec)
         if m.method in ("mlx_lm", "mlx_lm_spec"):
-            from . import kernels
+            from ..engine import kernels
 
             # mlx-lm's rows run the models as mlx-lm loads them, without macspec's CPU kernels.
             with kernels.stock(self.pair.target, self.pair.draft):
@@ -607,7 +607,7 @@ def bench(
 
     import macspec
 
-    from . import backend as be
+    from .. import backend as be
 
     temps = _numbers(temperature, "temperature", float, 0, "0,0.7")
     ks = _numbers(num_draft, "num_draft", int, 1, "2,4,6")

@@ -9,7 +9,7 @@ import platform
 import sys
 from typing import Any
 
-from . import backend as be
+from .. import backend as be
 
 
 def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
@@ -153,8 +153,8 @@ def verify_costs(
 
     import macspec
 
-    from . import caches
-    from .engine import hidden_states, output_head
+    from ..engine import caches
+    from ..engine.round import hidden_states, output_head
 
     pair = macspec.load(model)
     target = pair.target

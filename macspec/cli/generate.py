@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from .errors import OptionError
+from ..errors import OptionError
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,8 +52,8 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 
 def load_pair(args: argparse.Namespace):
-    from . import load
-    from .distributed import init_group, serve_if_follower
+    from .. import load
+    from ..engine.distributed import init_group, serve_if_follower
 
     kwargs = {"drafter": args.drafter} if getattr(args, "drafter", None) else {}
     # Under mlx.launch the target is sharded; ranks > 0 serve rank 0 and exit in there.
@@ -79,7 +79,7 @@ def summary(stats) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from . import stream_generate
+    from .. import stream_generate
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if prompt is None:

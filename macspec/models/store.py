@@ -6,27 +6,26 @@ one sub-directory per model, addressed by name. Everywhere a model is asked for,
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import re
 import shutil
 import struct
-import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConvertError, ModelError, OptionError
+from ..errors import ConvertError, ModelError, OptionError
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored model
-CATALOG = Path(__file__).resolve().parent / "data" / "catalog.json"  # package data
+DATA = Path(__file__).resolve().parents[1] / "data"  # package data: the catalog, the draft
+CATALOG = DATA / "catalog.json"
 _TMP_PREFIX = ".tmp-"
 
 
@@ -102,7 +101,7 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         raise ModelError(str(e)) from None
     if is_model_dir(root / text):
         return root / text
-    for spec in _catalog_models():
+    for spec in catalog_models():
         if spec.get("name") == text:
             q = spec.get("q", "none")
             raise ModelError(
@@ -325,9 +324,6 @@ def list_models() -> list[ModelInfo]:
     return [model_info(p) for p in _entries(store_root())]
 
 
-# ------------------------------------------------------------- catalog
-
-
 def load_catalog(path: Path = CATALOG) -> list[dict]:
     """The recommended target/draft pairs (macspec/data/catalog.json)."""
     try:
@@ -337,162 +333,10 @@ def load_catalog(path: Path = CATALOG) -> list[dict]:
     return list(data.get("pairs", []))
 
 
-def _catalog_models() -> list[dict]:
+def catalog_models() -> list[dict]:
+    """The model specs (name, source, q) of every catalog pair."""
     try:
         pairs = load_catalog()
     except ModelError:
         return []
     return [p[k] for p in pairs for k in ("target", "draft") if isinstance(p.get(k), dict)]
-
-
-def memory_bytes() -> int | None:
-    """Physical (on Apple silicon: unified) memory of this machine."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _fetch(spec: dict) -> Path:
-    name = validate_name(spec["name"])
-    if is_model_dir(store_root() / name):
-        return store_root() / name
-    from .convert import convert
-
-    return convert(
-        spec["source"],
-        output=name,
-        q=str(spec.get("q", "none")),
-        group_size=int(spec.get("group_size", 64)),
-        dtype=spec.get("dtype"),
-    )
-
-
-def ensure_pair(name: str) -> tuple[Path, Path | None]:
-    """(target, draft) directories of a catalog pair, fetching and converting what is missing.
-
-    "default" is the embedded default pair (no download from Hugging Face).
-    """
-    if name == "default":
-        from .default import default_draft, default_target
-
-        draft = default_draft()  # checked first: a broken install fails before any download
-        return default_target(), draft
-    pairs = load_catalog()
-    for pair in pairs:
-        if pair["name"] == name:
-            target = _fetch(pair["target"])
-            draft = _fetch(pair["draft"]) if pair.get("draft") else None
-            return target, draft
-    names = ", ".join(["default"] + [p["name"] for p in pairs])
-    raise OptionError(
-        f"unknown pair {name!r}; the catalog has: {names} (see `macspec models --pairs`)"
-    )
-
-
-# ------------------------------------------------------------- CLI
-
-
-def _human(n: float, unit: str = "B") -> str:
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or prefix == "T":
-            return f"{n:.0f}{prefix}{unit}" if prefix == "" else f"{n:.1f}{prefix}{unit}"
-        n /= 1000
-    return str(n)
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
-def _default_row(root: Path) -> list[str]:
-    from . import default
-
-    have = any(is_model_dir(root / default._store_name(f)) for f in default.FORMATS)
-    draft = default.DRAFT_DIR.name if default.DRAFT_DIR.is_dir() else "missing: reinstall"
-    target = f"{default.BASE_NAME} (PyPI {default.WHEEL_REQUIREMENT})"
-    return ["default", "any", target, draft, "yes" if have else "no", "Apache-2.0; no HF account"]
-
-
-def models(*, pairs: bool = False, json_output: bool = False) -> int:
-    """Print the store (or the pair catalog); returns an exit code."""
-    if pairs:
-        catalog = load_catalog()
-        mem = memory_bytes()
-        if json_output:
-            print(json.dumps(catalog, indent=2))
-            return 0
-        rows = [["PAIR", "MEMORY", "TARGET", "DRAFT", "IN STORE", "NOTE"]]
-        root = store_root()
-        rows.append(_default_row(root))
-        for p in catalog:
-            have = [is_model_dir(root / p[k]["name"]) for k in ("target", "draft") if p.get(k)]
-            fits = mem is None or mem >= p.get("min_memory_gb", 0) * 1e9
-            note = p.get("note", "")
-            if not fits:
-                note = ("too big for this machine; " + note).rstrip("; ")
-            rows.append(
-                [
-                    p["name"],
-                    f">={p.get('min_memory_gb', '?')}GB",
-                    f"{p['target']['source']} ({p['target'].get('q', 'none')})",
-                    p["draft"]["source"] if p.get("draft") else "-",
-                    "yes" if all(have) else ("partly" if any(have) else "no"),
-                    note,
-                ]
-            )
-        print(_table(rows))
-        print("\nFetch and chat with one: macspec chat --pair NAME")
-        return 0
-    infos = list_models()
-    if json_output:
-        print(json.dumps([asdict(i) for i in infos], indent=2))
-        return 0
-    if not infos:
-        print(
-            f"No models in the store ({store_root()}).\n"
-            "Add one with `macspec convert <hf-repo | dir | file.gguf>`; `macspec chat` with no "
-            "model fetches the embedded default."
-        )
-        return 0
-    rows = [["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE"]]
-    for i in infos:
-        rows.append(
-            [
-                i.name,
-                i.architecture,
-                _human(i.parameters, "") if i.parameters else "?",
-                i.bits,
-                _human(i.size_bytes),
-                i.fingerprint,
-                i.acceptance or "",
-            ]
-        )
-    print(_table(rows))
-    print(f"\nstore: {store_root()}  (same TOKENIZER value = a compatible target/draft pair)")
-    return 0
-
-
-def _run(args: argparse.Namespace) -> int:
-    return models(pairs=args.pairs, json_output=args.json_output)
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "models",
-        help="list the local model store (or the pair catalog)",
-        description="List converted models: name, architecture, parameters, bits, size on disk, "
-        "tokenizer fingerprint (equal = compatible pair) and a draft's measured acceptance.",
-    )
-    p.add_argument("--pairs", action="store_true", help="show the catalog of recommended pairs")
-    p.add_argument(
-        "--json", dest="json_output", action="store_true", help="machine-readable output"
-    )
-    p.set_defaults(func=_run)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(models())

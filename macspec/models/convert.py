@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import ConvertError, OptionError
+from ..errors import ConvertError, OptionError
 from .store import INFO_FILE, staging, store_root, validate_name
 
 Q_CHOICES = ("4", "8", "none", "keep")

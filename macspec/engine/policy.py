@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import ClassVar, Protocol
 
+from .drafters import COPY_PRIORS
+
 # A drafter's grade of its next proposal, from the context alone (the n-gram match length);
 # None = ungraded (a draft model); 0 = nothing to propose.
 Label = int | None
@@ -28,7 +30,7 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds measured once per loaded pair on this machine (see api.calibrate).
+    """Seconds measured once per loaded pair on this machine (see engine/calibrate.py).
 
     They are frozen so that K depends only on costs and on the seeded acceptance history: the
     same seed then gives the same tokens, which live timings would not."""
@@ -198,3 +200,14 @@ class AdaptiveK:
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             self.arm(self._last).observe(k, accepted)
+
+
+# Copied n-gram ids cost no draft time, so a copy may run to this many times num_draft: a long
+# match (16+ ids) is followed ~93% of the time, and on a CPU a pass over 17 ids costs ~2 steps.
+COPY_FACTOR = 4
+
+
+def adaptive(num_draft: int, costs: Costs) -> AdaptiveK:
+    """The default policy: K up to num_draft for model drafts, copies up to COPY_FACTOR times
+    that, each copy graded by its match length from its measured prior."""
+    return AdaptiveK(num_draft, costs, copy_max=COPY_FACTOR * num_draft, priors=COPY_PRIORS)

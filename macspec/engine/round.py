@@ -17,9 +17,9 @@ from time import perf_counter
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import CacheError
 from . import caches
 from .drafters import DistFn, Drafter, prefill
-from .errors import CacheError
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 

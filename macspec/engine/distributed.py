@@ -33,8 +33,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .engine import Round, Target
-from .errors import MacspecError, ModelError
+from ..errors import MacspecError, ModelError
+from .round import Round, Target
 
 # Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
 # loading, before it reports a dead or hung rank. MACSPEC_DIST_TIMEOUT overrides the first.
@@ -355,8 +355,24 @@ def leader_target(pair: Any, keep_hidden: bool, taps: tuple[int, ...] = ()) -> L
     return LeaderTarget(link_of(pair), pair.target, pair.vocab_size, keep_hidden, taps)
 
 
+def make_target(pair: Any, drafter: Any) -> Target:
+    """The target a generation runs: local, or rank 0's lead of a sharded one."""
+    keep_hidden = getattr(drafter, "needs_hidden", False)
+    taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
+    if pair.group is None:
+        return Target(pair.target, pair.vocab_size, keep_hidden, taps, pair.target_path.name)
+    return leader_target(pair, keep_hidden, taps)
+
+
 def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
-    """Rank 0's rounds, each bounded by the watchdog, with its communication time filled in."""
+    """The rounds as they come for a local pair. Sharded: rank 0's rounds, each bounded by the
+    watchdog, with its communication time filled in."""
+    if pair.group is None:
+        return steps
+    return _guarded(pair, steps)
+
+
+def _guarded(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
     link = link_of(pair)
     try:
         while True:

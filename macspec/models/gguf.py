@@ -13,7 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .errors import ConvertError
+from ..errors import ConvertError
 
 GGUF_GROUP_SIZE = 32  # every GGUF block format that MLX keeps packed uses 32 weights per block
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import OptionError
+from ..errors import OptionError
 from .kernels import softmax
 
 

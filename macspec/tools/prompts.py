@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OptionError, PromptError
+from ..errors import OptionError, PromptError
 
 KINDS = ("code", "chat", "grounded", "creative")
 

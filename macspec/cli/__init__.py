@@ -10,18 +10,18 @@ import argparse
 import importlib
 import sys
 
-from .errors import MacspecError
+from ..errors import MacspecError
 
 # subcommand -> module that defines `register(subparsers)`; the parser it adds sets `func(args)`.
 COMMANDS = {
-    "generate": "macspec.commands",
+    "generate": "macspec.cli.generate",
     "chat": "macspec.ui.command",
-    "check": "macspec.compat",
-    "convert": "macspec.convert",
-    "models": "macspec.store",
-    "bench": "macspec.bench",
-    "doctor": "macspec.doctor",
-    "distill": "macspec.distill",
+    "check": "macspec.models.compat",
+    "convert": "macspec.models.convert",
+    "models": "macspec.models.catalog",
+    "bench": "macspec.tools.bench",
+    "doctor": "macspec.tools.doctor",
+    "distill": "macspec.tools.distill",
 }
 
 

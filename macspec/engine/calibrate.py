@@ -1,0 +1,105 @@
+"""What speculation costs on this machine, measured once per loaded pair for the adaptive policy:
+a plain step, a draft token, and target passes verifying 1 to 16 drafts."""
+
+from __future__ import annotations
+
+from itertools import islice
+from statistics import median
+from typing import Any
+
+import mlx.core as mx
+
+from .distributed import guard, make_target
+from .drafters import Drafter, Proposal
+from .policy import Costs
+from .round import Round, decode
+from .sampling import SamplingOptions
+
+
+def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Costs:
+    """Measure, on this machine, what a plain step, a draft token and wider verifications cost:
+    a short decode alternating plain steps and passes verifying filler ids over each of `widths`
+    drafts (3 of each, after one warm-up cycle), and (with a draft model) a short fixed-K
+    speculative decode, all over arbitrary ids."""
+    ids = [(7 * i) % pair.vocab_size for i in range(1, 33)]  # any ids: only the time is used
+    context = min(pair.context_length, 1 << 20)
+
+    def run(drafter: Drafter | None, ks: list[int]) -> list[Round]:
+        """The first (plain) step, then one round per entry of ks (0 = plain)."""
+        max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
+        steps = decode(
+            make_target(pair, drafter),
+            drafter,
+            ids[: max(2, min(len(ids), context - max_tokens - 1))],
+            SamplingOptions(),
+            max_tokens=max_tokens,
+            num_draft=k,
+            key=mx.random.key(0),
+            eos_ids=set(),
+            context_length=context,
+            timing=pair.timing,
+            policy=_Schedule(ks),
+        )
+        return list(islice(guard(pair, steps), len(ks) + 1))
+
+    # Plain steps and every width interleaved, on the target as the real drafter runs it: load
+    # changes during the measurement then hit all of them alike. The first cycle warms up (the
+    # first passes of a process were measured 25% slower) and is not counted.
+    drafter = pair.make_drafter(False)
+    cycle = [0, *widths]
+    rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
+    plain = median(r.verify_time for r in rounds if r.num_draft == 0)
+    # A pass is priced whole: the filler's "draft time" is the verification graph's build,
+    # which only a draft model's computation hides (engine.speculative_round).
+    passes = tuple(
+        (n, median(r.draft_time + r.verify_time for r in rounds if r.num_draft == n))
+        for n in widths
+        if any(r.num_draft == n for r in rounds)  # a tiny context may cut the widest ones
+    )
+    at_k = dict(passes).get(k)
+    extra = max(0.0, at_k - plain) / k if at_k is not None else 0.0
+    draft = 0.0
+    if pair.drafter_kind != "ngram":  # arbitrary ids never repeat: the model drafts every round
+        rounds = [r for r in run(drafter, [k] * 5) if r.num_draft]
+        draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
+    return Costs(plain_step=plain, draft_step=draft, extra=extra, verify=passes)
+
+
+class _Schedule:
+    """The policy calibrate() decodes with: the given K per round, in order, then plain steps."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks = list(ks)
+        self.max_k = max(self.ks, default=0)
+
+    def next_k(self, label: Any = None) -> int:
+        return self.ks.pop(0) if self.ks else 0
+
+    def observe(self, k: int, accepted: int) -> None:
+        pass
+
+
+class _Filler:
+    """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
+
+    name = "filler"
+
+    def __init__(self, drafter: Drafter) -> None:
+        # The target runs as it will with the real drafter (hidden states, tapped layers).
+        self.needs_hidden = drafter.needs_hidden
+        self.feature_layers = getattr(drafter, "feature_layers", ())
+
+    def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
+        pass
+
+    def label(self) -> None:
+        return None
+
+    def propose(self, k: int, dist: Any, key: mx.array) -> Proposal:
+        return Proposal(mx.zeros((k,), mx.int32), None)
+
+    def commit(self, k: int, accepted: int, emitted: list[int], hidden: Any = None) -> None:
+        pass
+
+    def abort(self, k: int) -> None:
+        pass

@@ -1,0 +1,242 @@
+"""Loading a pair: the target, the draft (a model or a feature draft), the checks that they
+can speculate together exactly (tokenizer, caches), the drafter, and the machine's costs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .engine import caches, kernels
+from .engine.calibrate import calibrate
+from .engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .engine.policy import Costs
+from .engine.round import Timing
+from .errors import MacspecError, ModelError, OptionError
+from .models.compat import check_tokenizers
+from .models.store import resolve_model
+
+
+@dataclass
+class Pair:
+    """A loaded target, its tokenizer, and the draft model (if any)."""
+
+    target: nn.Module
+    tokenizer: TokenizerWrapper
+    target_path: Path
+    draft: nn.Module | None = None
+    draft_path: Path | None = None
+    drafter_kind: str | None = None  # "model+ngram", "model", "ngram", a feature draft, or None
+    vocab_size: int = 0  # ids both models can produce and the tokenizer knows
+    context_length: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+    timing: Timing = field(default_factory=Timing)
+    costs: Costs | None = None  # measured at load (distributed: at first use; see calibrate)
+    calibration_time: float = 0.0  # seconds load() spent measuring them
+    group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
+    # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
+    drafter_factory: Callable[[bool], Drafter] | None = None
+    # Layers per cache kind (caches.kinds: attention, window, recurrent), checked at load to
+    # rewind exactly when the pair speculates.
+    cache_kinds: dict[str, int] = field(default_factory=dict)
+    draft_cache_kinds: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line naming the models and how drafts are made (and the target's layer kinds
+        when it has more than full attention)."""
+        target = self.target_path.name
+        if set(self.cache_kinds) - {"attention"}:
+            target += f" ({caches.describe_kinds(self.cache_kinds)})"
+        if self.drafter_kind is None:
+            return f"{target}, plain decoding (no draft)"
+        if self.draft_path is None:
+            line = f"{target}, {self.drafter_kind} drafting (no draft model)"
+        else:
+            line = f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+        if self.costs is not None and self.calibration_time:
+            line += (
+                f"; measured at load in {self.calibration_time:.1f}s: a plain step "
+                f"{self.costs.plain_step * 1000:.0f} ms"
+            )
+        return line
+
+    def make_drafter(self, adaptive: bool = True) -> Drafter | None:
+        return self.drafter_factory(adaptive) if self.drafter_factory else None
+
+
+# A draft model stops drafting (adaptive K) when its own probability of a token is below this.
+DRAFT_CONFIDENCE = 0.3
+# Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
+FEATURE_DRAFTS = {"eagle": "macspec.engine.eagle"}
+
+
+def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    from mlx_lm.utils import load as mlx_load
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a model directory: config.json is missing")
+    if not list(path.glob("model*.safetensors")):
+        raise ModelError(f"{path} has no weights (model*.safetensors)")
+    if group is not None:  # only this rank's part of the weights (tensor or pipeline parallel)
+        from .engine.distributed import load_sharded
+
+        return load_sharded(path, group)
+    try:
+        # Never trust_remote_code: a model directory must not run its own code.
+        model, tokenizer, config = mlx_load(str(path), return_config=True)
+    except MacspecError:
+        raise
+    except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
+        raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
+    kernels.accelerate(model)  # CPU backend: table RoPE, attention, SwiGLU (kernels.py)
+    return model, tokenizer, config
+
+
+def _embedding_rows(model: nn.Module) -> int:
+    # The logits width is the only architecture-independent way to count output rows.
+    return int(model(mx.array([[0]])).shape[-1])
+
+
+def _context_length(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length"):
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 1 << 20  # unknown: do not invent a limit
+
+
+def load(
+    target: str | os.PathLike | None = None,
+    draft: str | os.PathLike | None = None,
+    *,
+    drafter: str | None = None,
+    group: mx.distributed.Group | None = None,
+) -> Pair:
+    """Load a target and (optionally) a draft: directories or store names.
+
+    With no target, the embedded default pair is used (fetched and converted on first use).
+    `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
+    (the draft model only), or "ngram" (no draft model: copy from the prompt and output)."""
+    if drafter not in (None, "model", "ngram"):
+        raise OptionError(f"unknown drafter={drafter!r}: choose 'model' or 'ngram'")
+    if drafter == "ngram" and draft is not None:
+        raise OptionError("drafter='ngram' uses no draft model: leave out draft")
+    if drafter == "model" and draft is None and target is not None:
+        raise OptionError("drafter='model' needs a draft model: give draft=")
+    if target is None:
+        from .models.default import default_draft, default_target
+
+        if draft is None and drafter != "ngram":
+            # a ModelError if this install lacks it (never a silent n-gram), before any download
+            draft = default_draft()
+        target_path = default_target()
+    else:
+        target_path = resolve_model(target)
+    if group is not None and group.size() == 1:
+        group = None
+    # Decided before rank > 0 drops the draft: every rank checks the sharded target alike.
+    speculates = drafter == "ngram" or draft is not None
+    if group is not None and group.rank() > 0:
+        draft = None  # the draft runs on rank 0 only (macspec/distributed.py says why)
+    model, tokenizer, config = _load_model(target_path, group)
+    rows = _embedding_rows(model)
+    pair = Pair(
+        target=model,
+        tokenizer=tokenizer,
+        target_path=target_path,
+        context_length=_context_length(config),
+        eos_token_ids=frozenset(tokenizer.eos_token_ids),
+        group=group,
+    )
+    vocab = len(tokenizer._tokenizer)
+    # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
+    pair.vocab_size = min(rows, vocab)
+    pair.cache_kinds = caches.kinds(model)
+    if speculates:
+        pair.cache_kinds = _checked_caches(model, target_path, "target", pair.vocab_size)
+    if drafter == "ngram":
+        pair.drafter_kind = "ngram"
+        pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
+    elif draft is not None:
+        pair.draft_path = resolve_model(draft)
+        kind = _feature_draft_kind(pair.draft_path)
+        if kind is not None:
+            module = importlib.import_module(FEATURE_DRAFTS[kind])
+            make = module.load_draft(pair.draft_path, pair)
+        else:
+            kind, make = "model", _attach_draft_model(pair, rows, vocab)
+        # Every draft tries an n-gram copy from the context first, unless drafter="model".
+        if drafter == "model":
+            pair.drafter_kind, pair.drafter_factory = kind, make
+        else:
+            pair.drafter_kind = f"{kind}+ngram"
+            pair.drafter_factory = lambda adaptive: HybridDrafter(
+                make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
+            )
+    if pair.drafter_factory is not None and group is None:
+        # Paid here, and said, rather than inside the first answer (issue: a first short
+        # answer measured 0.78x plain with the ~3 s of measuring inside it).
+        t0 = time.perf_counter()
+        pair.costs = calibrate(pair)
+        pair.calibration_time = time.perf_counter() - t0
+    return pair
+
+
+def _special_ids(pair: Pair) -> frozenset[int]:
+    """Control tokens (BOS, EOS, chat turn markers): never part of a copied n-gram proposal."""
+    ids = set(getattr(pair.tokenizer, "all_special_ids", None) or ()) | set(pair.eos_token_ids)
+    return frozenset(ids)
+
+
+def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[bool], Drafter]:
+    """Load an ordinary draft model into `pair` after checking it can draft for the target;
+    returns the factory of its drafter."""
+    pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
+    draft_rows = _embedding_rows(pair.draft)
+    # The draft must use the target's ids; refuse another tokenizer before generating anything.
+    check_tokenizers(
+        pair.tokenizer,
+        draft_tokenizer,
+        target_rows=target_rows,
+        draft_rows=draft_rows,
+        target_name=str(pair.target_path),
+        draft_name=str(pair.draft_path),
+    ).raise_for_errors()
+    pair.vocab_size = min(target_rows, draft_rows, vocab)
+    pair.draft_cache_kinds = _checked_caches(pair.draft, pair.draft_path, "draft", pair.vocab_size)
+    return lambda adaptive: ModelDrafter(
+        pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0
+    )
+
+
+def _checked_caches(model: nn.Module, where: Path, role: str, vocab: int) -> dict[str, int]:
+    """The model's cache kinds; refuses, before any output, one speculation cannot rewind."""
+    try:
+        return caches.check(model, vocab)
+    except ModelError as e:
+        raise ModelError(
+            f"the {role} model ({where}) cannot speculate exactly: {e}; "
+            "decode it plainly (speculative=False, or no draft)"
+        ) from None
+
+
+def _feature_draft_kind(path: Path) -> str | None:
+    """The kind a distilled draft declares in draft.json, or None for an ordinary model."""
+    meta = path / "draft.json"
+    if not meta.is_file():
+        return None
+    try:
+        kind = json.loads(meta.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ModelError(f"cannot read {meta}: {e}") from e
+    if kind not in FEATURE_DRAFTS:
+        raise ModelError(f"{meta} declares an unknown draft kind {kind!r}")
+    return kind
