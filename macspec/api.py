@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from collections.abc import Iterator, Sequence
@@ -22,17 +21,22 @@ from .errors import PromptError
 from .options import GenerationOptions
 from .options import signature as options_signature
 from .pair import Pair
+from .text import DRAFT, REJECTED, TARGET, TextStream
 
 
 @dataclass(frozen=True)
 class RoundEvent:
-    """One verification round (or plain step), as streamed to the UI and CLI."""
+    """One verification round (or plain step), as streamed to the UI, CLI and server: all they
+    show. `pieces` is the round's new text as (text, origin) with origin "draft" (accepted),
+    "target" (the target's own token) or "rejected" (drafts thrown away, shown where they were
+    proposed; not part of `text`); `stats` are the running totals after this round."""
 
     accepted: tuple[int, ...]
     rejected: tuple[int, ...]
     emitted: tuple[int, ...]
     target_token: int | None
     text: str
+    pieces: tuple[tuple[str, str], ...]
     num_draft: int
     speculative: bool
     draft_time: float  # until the drafts were ready (the verification graph is built meanwhile)
@@ -41,6 +45,14 @@ class RoundEvent:
     plain_step_time: float
     finish_reason: str | None
     comm_time: float = 0.0  # distributed target: seconds of this round spent communicating
+    stats: GenerationStats | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        """This round against plain decoding: its tokens x one plain step / its time."""
+        if not self.emitted or self.round_time <= 0 or self.plain_step_time <= 0:
+            return None
+        return len(self.emitted) * self.plain_step_time / self.round_time
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,26 @@ class GenerationStats:
     tokens_per_second: float  # generated_tokens / total_time
     plain_step_time: float  # measured seconds of one plain target step
     seed: int
+
+    @property
+    def speedup(self) -> float | None:
+        """Tokens per second against plain decoding's (one token per measured plain step)."""
+        if not self.tokens_per_second or not self.plain_step_time:
+            return None
+        return self.tokens_per_second * self.plain_step_time
+
+    def summary(self, timings: bool = True) -> str:
+        """One line a person can read: tokens, speed against plain decoding, acceptance."""
+        parts = [f"{self.generated_tokens} tokens in {self.rounds} rounds"]
+        if timings and self.total_time:
+            speed = f"{self.tokens_per_second:.1f} tok/s"
+            if self.speedup:
+                speed += f" ({self.speedup:.2f}x plain: {1 / self.plain_step_time:.1f} tok/s)"
+            parts.append(speed)
+        if self.drafted:
+            parts.append(f"acceptance {self.acceptance_rate:.0%}")
+            parts.append(f"{self.mean_accepted_length:.2f} tokens/round")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -185,11 +217,8 @@ class GenerationStream:
         self.prompt_tokens = len(ids)
         self.seed = seed
         self._steps = steps
-        self._stops = stops
         self._counter = _StatsCounter(len(ids), seed)
-        self._detok = copy.copy(pair.tokenizer.detokenizer)
-        self._detok.reset()
-        self._shown = 0  # characters of the decoded text already given out
+        self._text = TextStream(pair.tokenizer, stops)
         self._done = False
 
     def __iter__(self) -> GenerationStream:
@@ -203,7 +232,20 @@ class GenerationStream:
         except BaseException:
             self.close()
             raise
-        emitted, finish = self._take_text(r)
+        # Accepted drafts, then (where they were proposed) the rejected ones, then the
+        # target's token; a stop string cuts the round short.
+        n = min(len(r.accepted), len(r.emitted))
+        taken, stopped = self._text.add(r.emitted[:n], DRAFT)
+        at = len(self._text.text)
+        rejected = self._text.peek(r.rejected) if not stopped else ""
+        if not stopped:
+            more, stopped = self._text.add(r.emitted[n:], TARGET)
+            taken += more
+        emitted = r.emitted[:taken]
+        finish = "stop_string" if stopped else r.finish_reason
+        if r.finish_reason and not stopped:
+            self._text.finalize()
+        pieces = self._text.release(finish is not None, rejected, at)
         self._counter.add(r, len(emitted))
         if finish:
             self.close()
@@ -212,7 +254,8 @@ class GenerationStream:
             rejected=tuple(r.rejected),
             emitted=tuple(emitted),
             target_token=r.target_token if len(emitted) == len(r.emitted) else None,
-            text=self._new_text(finish is not None),
+            text="".join(t for t, origin in pieces if origin != REJECTED),
+            pieces=tuple(pieces),
             num_draft=r.num_draft,
             speculative=r.num_draft > 0,
             draft_time=r.draft_time,
@@ -221,40 +264,8 @@ class GenerationStream:
             plain_step_time=r.plain_step_time,
             finish_reason=finish,
             comm_time=r.comm_time,
+            stats=self._counter.stats(),
         )
-
-    def _take_text(self, r: Round) -> tuple[list[int], str | None]:
-        """Feed the round's ids to the detokenizer one by one, cutting at a stop string."""
-        for i, t in enumerate(r.emitted):
-            self._detok.add_token(t)
-            if self._stops and self._stop_at() is not None:
-                return r.emitted[: i + 1], "stop_string"
-        if r.finish_reason:
-            self._detok.finalize()
-        return r.emitted, r.finish_reason
-
-    def _stop_at(self) -> int | None:
-        # Text already shown never holds the start of a stop string (see _new_text's hold-back).
-        text = self._detok.text
-        found = [i for s in self._stops if (i := text.find(s, self._shown)) >= 0]
-        return min(found) if found else None
-
-    def _new_text(self, final: bool) -> str:
-        text = self._detok.text
-        end = len(text)
-        if self._stops:
-            stop = self._stop_at()
-            if stop is not None:
-                end = stop
-            elif not final:
-                # Hold back a tail that may be the beginning of a stop string.
-                end -= max(
-                    (n for s in self._stops for n in range(1, len(s)) if text.endswith(s[:n])),
-                    default=0,
-                )
-        new = text[self._shown : max(end, self._shown)]
-        self._shown += len(new)
-        return new
 
     def stats(self) -> GenerationStats:
         return self._counter.stats()

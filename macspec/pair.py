@@ -58,15 +58,20 @@ class Pair:
         if self.drafter_kind is None:
             return f"{target}, plain decoding (no draft)"
         if self.draft_path is None:
-            line = f"{target}, {self.drafter_kind} drafting (no draft model)"
-        else:
-            line = f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
-        if self.costs is not None and self.calibration_time:
-            line += (
-                f"; measured at load in {self.calibration_time:.1f}s: a plain step "
-                f"{self.costs.plain_step * 1000:.0f} ms"
-            )
-        return line
+            return f"{target}, {self.drafter_kind} drafting (no draft model)"
+        return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+
+    def calibration_note(self) -> str:
+        """What load() measured on this machine, and how long it took."""
+        if self.costs is None:
+            return "costs not measured yet"
+        c = self.costs
+        widest = c.verify[-1] if c.verify else None
+        note = f"measured this machine in {self.calibration_time:.1f}s: a plain step "
+        note += f"{c.plain_step * 1000:.0f} ms"
+        if widest:
+            note += f", verifying {widest[0]} drafts {widest[1] / c.plain_step:.2f}x that"
+        return note
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:
         return self.drafter_factory(adaptive) if self.drafter_factory else None
@@ -76,6 +81,11 @@ class Pair:
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
 FEATURE_DRAFTS = {"eagle": "macspec.engine.eagle"}
+# load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
+DRAFTERS = {
+    "model": "the draft model only",
+    "ngram": "copy from the prompt and output, no draft model",
+}
 
 
 def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, dict]:
@@ -125,8 +135,8 @@ def load(
     With no target, the embedded default pair is used (fetched and converted on first use).
     `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
     (the draft model only), or "ngram" (no draft model: copy from the prompt and output)."""
-    if drafter not in (None, "model", "ngram"):
-        raise OptionError(f"unknown drafter={drafter!r}: choose 'model' or 'ngram'")
+    if drafter is not None and drafter not in DRAFTERS:
+        raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
     if drafter == "ngram" and draft is not None:
         raise OptionError("drafter='ngram' uses no draft model: leave out draft")
     if drafter == "model" and draft is None and target is not None:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import chat_template
 from ..errors import OptionError, PromptError
 
 KINDS = ("code", "chat", "grounded", "creative")
@@ -129,8 +130,5 @@ def load_prompts(path: str | Path) -> list[Prompt]:
 
 
 def render(tokenizer, text: str) -> str:
-    """The model input for a user message: the chat template when the tokenizer has one."""
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return text
+    """The model input for one user message (macspec.chat_template)."""
+    return chat_template.render(tokenizer, [{"role": "user", "content": text}])

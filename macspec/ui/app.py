@@ -11,7 +11,6 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from rich.text import Text
@@ -23,9 +22,9 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
 
 from ..errors import MacspecError, OptionError, PromptError
+from ..options import DEFAULTS, NAMES
 from .chart import AcceptChart
-from .prompt import GENERATION_OPTIONS, chat_prompt, engine_defaults
-from .transcript import DRAFT, REJECTED, TARGET, Reply, Stats, _num, _pct, finish_label
+from .transcript import DRAFT, REJECTED, TARGET, Reply, finish_label, num, pct
 
 # Okabe-Ito colours (safe for common colour-blindness) plus a style: origin never hangs on hue
 STYLES = {
@@ -47,45 +46,17 @@ CHART_ROUNDS = 200  # more than the panel is wide; the chart shows the latest
 def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
     """Build the chat app around a loaded pair (`macspec.load()`).
 
-    Options: the generation keywords of `macspec.generate` (max_tokens, temperature, top_p, top_k,
-    min_p, repetition_penalty, num_draft, seed; None = engine default) and the UI's own: `system`
-    (system prompt), `show_rejected` (bool), `rejected_linger` (seconds, None keeps them),
-    `timings` (False shows no timing numbers, for reproducible screenshots), `title`.
+    Options: the generation options of `macspec.generate` (macspec/options.py; None = their
+    default) and the UI's own: `system` (system prompt), `show_rejected` (bool),
+    `rejected_linger` (seconds, None keeps them), `timings` (False shows no timing numbers, for
+    reproducible screenshots), `title`.
     """
-    unknown = set(options) - set(GENERATION_OPTIONS) - set(UI_OPTIONS)
+    unknown = set(options) - set(NAMES) - set(UI_OPTIONS)
     if unknown:
         raise OptionError(f"unknown chat option(s): {', '.join(sorted(unknown))}")
-    gen = {k: v for k, v in options.items() if k in GENERATION_OPTIONS and v is not None}
+    gen = {k: v for k, v in options.items() if k in NAMES and v is not None}
     ui = {k: v for k, v in options.items() if k in UI_OPTIONS}
     return ChatApp(engine_or_pair, gen, **ui)
-
-
-def _worker_stream() -> Any:
-    """An MLX stream valid in this worker thread, as mlx-lm uses for its own generation thread.
-
-    Since MLX 0.31.2 streams are thread-local on Metal; computing in a thread other than the one
-    that made a stream fails, so generation off the UI thread runs on a thread-local stream."""
-    import contextlib
-
-    import mlx.core as mx
-
-    global _THREAD_STREAM
-    if not hasattr(mx, "new_thread_local_stream"):
-        return contextlib.nullcontext()
-    if _THREAD_STREAM is None:
-        _THREAD_STREAM = mx.new_thread_local_stream(mx.default_device())
-    return mx.stream(_THREAD_STREAM)
-
-
-_THREAD_STREAM: Any = None
-
-
-def _release_thread_state() -> None:
-    import mlx.core as mx
-
-    clear = getattr(mx, "clear_streams", None)  # MLX >= 0.31.2, where this state became per-thread
-    if clear is not None:
-        clear()
 
 
 class MlxThread:
@@ -98,11 +69,22 @@ class MlxThread:
 
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
+        self._stream: Any = None  # an MLX stream made on (and valid in) this thread
 
     def run(self, fn: Any, *args: Any) -> asyncio.Future:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="macspec-generate")
-        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._on_stream, fn, args)
+
+    def _on_stream(self, fn: Any, args: tuple) -> Any:
+        # MLX streams are thread-local on Metal (MLX >= 0.31.2): this thread computes on its own,
+        # as mlx-lm's generation thread does.
+        import mlx.core as mx
+
+        if self._stream is None:
+            self._stream = mx.new_thread_local_stream(mx.default_device())
+        with mx.stream(self._stream):
+            return fn(*args)
 
     def close(self) -> None:
         """Wait for the running job (callers set its stop flag first), free MLX's state, join."""
@@ -110,6 +92,12 @@ class MlxThread:
         if executor is not None:
             executor.submit(_release_thread_state)
             executor.shutdown(wait=True)
+
+
+def _release_thread_state() -> None:
+    import mlx.core as mx
+
+    mx.clear_streams()  # frees this thread's MLX state (mlx >= 0.31.2, as pyproject requires)
 
 
 class RoundReady(Message):
@@ -126,16 +114,6 @@ class GenerationDone(Message):
     def __init__(self, conversation: int, stopped: bool, error: BaseException | None) -> None:
         super().__init__()
         self.conversation, self.stopped, self.error = conversation, stopped, error
-
-
-def _pair_title(pair: Any) -> str:
-    """The header line: target ← draft by directory name, or the drafting method if no draft."""
-    target, draft = getattr(pair, "target_path", None), getattr(pair, "draft_path", None)
-    kind = getattr(pair, "drafter_kind", None)
-    source = Path(draft).name if draft else kind or "no draft: plain decoding"
-    if draft and kind and kind != "model":
-        source += f" ({kind})"
-    return f"{Path(target).name if target else '?'} ← {source}"
 
 
 class ChatApp(App):
@@ -172,15 +150,13 @@ class ChatApp(App):
     ) -> None:
         super().__init__()
         self.pair = pair
-        self.options = {**engine_defaults(), **(generation or {})}
-        self.options.setdefault("num_draft", 4)
-        self.options.setdefault("temperature", 0.0)
+        self.options = {**DEFAULTS.to_dict(), **(generation or {})}
         self.system = system
         self.show_rejected = show_rejected
         self.rejected_linger = rejected_linger
         self.timings = timings
         self.title = title or "macspec chat"
-        self.sub_title = _pair_title(pair)
+        self.sub_title = pair.describe()
         self.history: list[dict[str, str]] = []
         self.reply: Reply | None = None
         self.reply_view: Static | None = None
@@ -215,7 +191,7 @@ class ChatApp(App):
         self.query_one("#settings").border_title = "next answer"
         if self.system:
             self._add_message(Text(f"system: {self.system}"), "system")
-        self._show_stats(Stats())
+        self._show_stats(None)
         self._show_settings()
         self.query_one("#prompt", Input).focus()
         self.set_interval(0.2, self._expire_rejected)
@@ -242,17 +218,25 @@ class ChatApp(App):
             line += f"   seed {seed}"
         self.query_one("#settings", Static).update(line)
 
-    def _show_stats(self, stats: Stats) -> None:
+    def _show_stats(self, reply: Reply | None) -> None:
+        """The engine's running statistics of this answer (the latest RoundEvent's)."""
+        stats = reply.stats if reply is not None else None
         hidden = "·"  # timing numbers change run to run; screenshots hide them
+
+        def timing(text: str) -> str:
+            return text if self.timings else hidden
+
+        drafted = bool(stats and stats.drafted)
+        plain = 1 / stats.plain_step_time if stats and stats.plain_step_time else None
         rows = [
-            ("rounds", str(stats.rounds)),
-            ("tokens", str(stats.emitted)),
-            ("round speedup", f"{_num(stats.last_speedup)}x" if self.timings else hidden),
-            ("acceptance", _pct(stats.acceptance_rate)),
-            ("accept length", _num(stats.mean_accepted_length)),
-            ("tok/s", _num(stats.tokens_per_second, 1) if self.timings else hidden),
-            ("plain tok/s", _num(stats.plain_tokens_per_second, 1) if self.timings else hidden),
-            ("overall", f"{_num(stats.speedup)}x" if self.timings else hidden),
+            ("rounds", str(stats.rounds if stats else 0)),
+            ("tokens", str(stats.generated_tokens if stats else 0)),
+            ("round speedup", timing(f"{num(reply and reply.last_speedup)}x")),
+            ("acceptance", pct(stats.acceptance_rate if drafted else None)),
+            ("accept length", num(stats.mean_accepted_length if drafted else None)),
+            ("tok/s", timing(num(stats.tokens_per_second if stats else None, 1))),
+            ("plain tok/s", timing(num(plain, 1))),
+            ("overall", timing(f"{num(stats.speedup if stats else None)}x")),
         ]
         text = Text()
         for i, (name, value) in enumerate(rows):
@@ -262,8 +246,9 @@ class ChatApp(App):
                 text.append("\n")
         self.query_one("#stats", Static).update(text)
         chart = self.query_one("#chart", AcceptChart)
-        chart.ceiling = max(1, stats.max_num_draft or self.options["num_draft"])
-        chart.data = stats.accepted_per_round[-CHART_ROUNDS:]
+        ceiling = reply.max_num_draft if reply is not None else 0
+        chart.ceiling = max(1, ceiling or self.options["num_draft"])
+        chart.data = reply.accepted_per_round[-CHART_ROUNDS:] if reply is not None else []
 
     def _status(self, message: str) -> None:
         self.query_one("#status", Static).update(message)
@@ -321,17 +306,10 @@ class ChatApp(App):
         """Add a user message and start answering it."""
         self._add_message(Text(message), "user")
         self.history.append({"role": "user", "content": message})
-        try:
-            prompt = chat_prompt(self.pair.tokenizer, self.history)
-        except Exception as e:  # a broken template is a message, not a crash
-            self.history.pop()
-            self.show_error(e)
-            return
-        eos = getattr(self.pair, "eos_token_ids", None) or ()
-        self.reply = Reply(self.pair.tokenizer, eos_ids=eos, linger=self.rejected_linger)
+        self.reply = Reply(linger=self.rejected_linger)
         self.reply_view = self._add_message(Text(""), "assistant")
         self._replies.append((self.reply, self.reply_view))
-        self._show_stats(self.reply.stats)
+        self._show_stats(self.reply)
         self.busy = True
         self._stop = threading.Event()
         self._status("answering… (Esc stops)")
@@ -339,39 +317,33 @@ class ChatApp(App):
         if options.get("num_draft") == 0:  # K 0 is plain decoding, for comparison
             options.pop("num_draft")
             options["speculative"] = False
-        self._generate(prompt, options, self._stop, self.conversation_id)
+        self._generate(list(self.history), options, self._stop, self.conversation_id)
 
     @work(exclusive=False, exit_on_error=False, group="generate")
     async def _generate(
-        self, prompt: str, options: dict[str, Any], stop: threading.Event, conversation: int
+        self, messages: list, options: dict[str, Any], stop: threading.Event, conversation: int
     ) -> None:
-        await self._mlx.run(self._answer, prompt, options, stop, conversation)
+        await self._mlx.run(self._answer, messages, options, stop, conversation)
 
     def _answer(
-        self, prompt: str, options: dict[str, Any], stop: threading.Event, conversation: int
+        self, messages: list, options: dict[str, Any], stop: threading.Event, conversation: int
     ) -> None:
         """Runs on the MLX thread: posts each round, then GenerationDone."""
         import macspec
 
         error: BaseException | None = None
-        stream = None
-        with _worker_stream():
+        try:
+            stream = macspec.stream_generate(self.pair, messages=messages, **options)
             try:
-                stream = macspec.stream_generate(self.pair, prompt, **options)
                 for event in stream:
                     if stop.is_set():
                         break
                     # posting does not wait for the UI: drawing never slows generation down
                     self.post_message(RoundReady(event, conversation))
-            except Exception as e:  # shown in the conversation; the app keeps running
-                error = e
             finally:
-                close = getattr(stream, "close", None)
-                if close is not None:
-                    try:
-                        close()
-                    except Exception:
-                        pass
+                stream.close()
+        except Exception as e:  # shown in the conversation; the app keeps running
+            error = e
         self.post_message(GenerationDone(conversation, stop.is_set(), error))
 
     @on(RoundReady)
@@ -401,7 +373,7 @@ class ChatApp(App):
             return
         # the conversation is anchored: it follows the answer unless the user scrolled up to read
         self._render_reply()
-        self._show_stats(self.reply.stats)
+        self._show_stats(self.reply)
 
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
@@ -429,12 +401,15 @@ class ChatApp(App):
             return
         self.history.append({"role": "assistant", "content": reply.text})
         stats = reply.stats
-        line = f"{finish_label(stats.finish_reason, stopped)} · {stats.rounds} rounds · "
-        line += f"{stats.emitted} tokens · acceptance {_pct(stats.acceptance_rate)}"
-        if self.timings:
-            line += f" · {_num(stats.speedup)}x plain decoding"
+        line = finish_label(reply.finish_reason, stopped)
+        if stats is not None:
+            drafted = stats.acceptance_rate if stats.drafted else None
+            line += f" · {stats.rounds} rounds · {stats.generated_tokens} tokens"
+            line += f" · acceptance {pct(drafted)}"
+            if self.timings:
+                line += f" · {num(stats.speedup)}x plain decoding"
         self._status(line)
-        if reply.stats.finish_reason == "context":
+        if reply.finish_reason == "context":
             self.show_error("the context is full: ctrl+n starts a new conversation")
         if reply.linger is not None and reply.pending_rejected():
             # let the last rejected drafts fade like the others, then draw the final text
@@ -467,7 +442,7 @@ class ChatApp(App):
         self.query_one("#conversation", VerticalScroll).remove_children()
         if self.system:
             self._add_message(Text(f"system: {self.system}"), "system")
-        self._show_stats(Stats())
+        self._show_stats(None)
         self._status("new conversation")
         self.query_one("#prompt", Input).focus()
 

@@ -12,8 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
 from ..errors import MacspecError
-from .prompt import chat_prompt
-from .transcript import DRAFT, REJECTED, TARGET, Reply, Span
+from .transcript import DRAFT, REJECTED, TARGET, Reply, Span, finish_label
 
 # 256-colour codes close to the app's Okabe-Ito blue/orange; the target's tokens are also bold
 ANSI = {DRAFT: "\x1b[38;5;74m", TARGET: "\x1b[1;38;5;214m", REJECTED: "\x1b[9;38;5;175m"}
@@ -59,25 +58,19 @@ def answer(
     """
     import macspec
 
-    prompt = chat_prompt(pair.tokenizer, messages)
-    eos = getattr(pair, "eos_token_ids", None) or ()
-    reply = Reply(pair.tokenizer, eos_ids=eos, linger=0.0)
-    stream = macspec.stream_generate(pair, prompt, **options)
+    reply = Reply(linger=0.0)
+    stream = macspec.stream_generate(pair, messages=messages, **options)
     try:
         for event in stream:
-            start = len(reply.spans)
-            reply.add_round(event)
             # a stream cannot take text back, so rejected drafts are left out here
-            out.write(_paint(reply.spans[start:], color))
+            out.write(_paint(reply.add_round(event), color))
             out.flush()
     except KeyboardInterrupt:
         if not interruptible:
             raise
         reply.stopped = True
     finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
+        stream.close()
     reply.expire(everything=True)
     return reply
 
@@ -119,7 +112,10 @@ def run_plain(
             err.flush()
             continue
         history.append({"role": "assistant", "content": reply.text})
-        summary = reply.stats.summary() + (" · stopped (Ctrl+C)" if reply.stopped else "")
+        summary = reply.stats.summary() if reply.stats is not None else "no tokens"
+        summary += "; " + (
+            "stopped (Ctrl+C)" if reply.stopped else finish_label(reply.finish_reason)
+        )
         out.write(f"\n{DIM}[{summary}]{RESET}\n" if color else f"\n[{summary}]\n")
         out.flush()
     return 0

@@ -1,0 +1,58 @@
+"""What the commands that run a pair share (`generate`, `chat`, `serve`): the model flags, the
+generation options' flags (from macspec/options.py), and loading the pair."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .. import options
+from ..errors import OptionError
+from ..pair import DRAFTERS, Pair
+
+
+def add_pair_args(p: argparse.ArgumentParser) -> None:
+    """--target/--draft/--pair/--drafter, then one flag per generation option."""
+    p.add_argument("--target", help="target model: directory or store name (default: embedded)")
+    p.add_argument("--draft", help="draft model: directory or store name")
+    p.add_argument(
+        "--pair",
+        metavar="NAME",
+        help="a catalog pair (`macspec models --pairs`), fetched if missing",
+    )
+    p.add_argument(
+        "--drafter",
+        choices=list(DRAFTERS),
+        help="; ".join(f"'{k}': {v}" for k, v in DRAFTERS.items())
+        + " (default: an n-gram copy when the context repeats, else the draft model)",
+    )
+    options.add_arguments(p)
+
+
+def load_pair(args: argparse.Namespace) -> Pair:
+    """The pair the flags name; under mlx.launch, ranks > 0 serve rank 0 and exit in here."""
+    from ..engine.distributed import init_group, serve_if_follower
+    from ..pair import load
+
+    target, draft = args.target, args.draft
+    if args.pair:
+        if target or draft:
+            raise OptionError("--pair names both models: leave out --target/--draft")
+        from ..models.catalog import ensure_pair
+
+        target, draft = ensure_pair(args.pair)
+    pair = load(target, draft, drafter=args.drafter, group=init_group())
+    serve_if_follower(pair)
+    return pair
+
+
+def announce(pair: Pair) -> str:
+    """The lines a command prints on stderr about the loaded pair."""
+    line = f"[macspec] {pair.describe()}"
+    if pair.calibration_time:
+        line += f"\n[macspec] {pair.calibration_note()}"
+    return line
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    return options.from_args(args)
