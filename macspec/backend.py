@@ -357,12 +357,12 @@ def choose_weight_format(
     blas: BlasInfo | None = None,
     memory_bytes: int | None = None,
 ) -> WeightFormat:
-    """The weight format whose products are fastest on this backend, memory allowing.
+    """The weight format whose products are fastest on this backend, memory allowing: the one
+    rule for the default model and `macspec doctor`'s advice.
 
-    Measured on an x86 CPU with OpenBLAS (SmolLM2-135M): one token costs 64 ms in float32, 97 ms
-    in 4-bit, 153 ms in bfloat16, and 5 tokens cost 1.3x, 4.8x and 1.8x one token respectively:
-    mlx's CPU quantized kernels scale with the row count, BLAS float32 products do not.
-    """
+    GPUs read 4-bit weights with fast kernels. On the CPU backend MLX's quantized products are
+    far slower than BLAS float32 ones (README, "speed on Linux CPUs"), and without an optimized
+    BLAS float32 is still the faster choice (doctor then advises installing one)."""
     backend = backend or detect_backend()
     if backend in ("metal", "cuda"):
         return WeightFormat(
@@ -371,14 +371,15 @@ def choose_weight_format(
     blas = blas or blas_in_use()
     memory_bytes = memory_bytes if memory_bytes is not None else total_memory_bytes()
     f32_bytes = 4 * param_count
-    if not blas.fast:
-        return WeightFormat(
-            "4bit",
-            f"CPU with {blas.kind} BLAS: float32 products are slow, install {OPENBLAS_PACKAGE}",
-        )
     if memory_bytes is not None and f32_bytes > memory_bytes // 2:
         return WeightFormat(
             "bfloat16", f"float32 weights ({f32_bytes / 1e9:.1f} GB) exceed half of memory"
+        )
+    if not blas.fast:
+        return WeightFormat(
+            "float32",
+            f"CPU: MLX's quantized products are slower still; install {OPENBLAS_PACKAGE} for "
+            f"fast float32 ones ({blas.kind} BLAS now)",
         )
     return WeightFormat(
         "float32",
@@ -403,21 +404,17 @@ def measure_bandwidth(megabytes: int = 128, repeats: int = 3) -> dict[str, float
     copy, closer to what the memory system can do. Both are returned; ``best`` is their maximum.
     """
     import mlx.core as mx
+    import numpy as np
 
     n = megabytes * 1024 * 1024 // 4
     a = mx.arange(n, dtype=mx.float32)
     mx.eval(a)
     mlx_s = _best_time(lambda: mx.eval(a + 0.0), repeats)
     result = {"mlx": 2 * a.nbytes / mlx_s / 1e9}
-    try:
-        import numpy as np
-
-        x = np.arange(n, dtype=np.float32)
-        y = np.empty_like(x)
-        np_s = _best_time(lambda: np.copyto(y, x), repeats)
-        result["memcpy"] = 2 * x.nbytes / np_s / 1e9
-    except ImportError:
-        pass
+    x = np.arange(n, dtype=np.float32)
+    y = np.empty_like(x)
+    np_s = _best_time(lambda: np.copyto(y, x), repeats)
+    result["memcpy"] = 2 * x.nbytes / np_s / 1e9
     result["best"] = max(result.values())
     return result
 

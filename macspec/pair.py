@@ -47,6 +47,7 @@ class Pair:
     # Layers per cache kind (caches.kinds: attention, window, recurrent), checked at load to
     # rewind exactly when the pair speculates.
     cache_kinds: dict[str, int] = field(default_factory=dict)
+    kernels: bool = True  # CPU layer kernels on the target and the draft (load(kernels=...))
     draft_cache_kinds: dict[str, int] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -77,6 +78,7 @@ class Pair:
         return self.drafter_factory(adaptive) if self.drafter_factory else None
 
 
+KERNELS_ENV = "MACSPEC_KERNELS"  # 0: mlx-lm's own layers everywhere
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
@@ -88,7 +90,9 @@ DRAFTERS = {
 }
 
 
-def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, dict]:
+def _load_model(
+    path: Path, group=None, use_kernels: bool = True
+) -> tuple[nn.Module, TokenizerWrapper, dict]:
     from mlx_lm.utils import load as mlx_load
 
     if not (path / "config.json").is_file():
@@ -106,7 +110,8 @@ def _load_model(path: Path, group=None) -> tuple[nn.Module, TokenizerWrapper, di
         raise
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
-    kernels.accelerate(model)  # CPU backend: table RoPE, attention, SwiGLU (kernels.py)
+    if use_kernels:
+        kernels.accelerate(model)  # CPU backend: table RoPE, attention, SwiGLU (kernels.py)
     return model, tokenizer, config
 
 
@@ -129,12 +134,17 @@ def load(
     *,
     drafter: str | None = None,
     group: mx.distributed.Group | None = None,
+    kernels: bool | None = None,
 ) -> Pair:
     """Load a target and (optionally) a draft: directories or store names.
 
     With no target, the embedded default pair is used (fetched and converted on first use).
     `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
-    (the draft model only), or "ngram" (no draft model: copy from the prompt and output)."""
+    (the draft model only), or "ngram" (no draft model: copy from the prompt and output).
+    `kernels`: macspec's CPU layer kernels (engine/kernels.py) instead of mlx-lm's layers; by
+    default on, unless the environment sets MACSPEC_KERNELS=0."""
+    if kernels is None:
+        kernels = os.environ.get(KERNELS_ENV, "1") != "0"
     if drafter is not None and drafter not in DRAFTERS:
         raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
     if drafter == "ngram" and draft is not None:
@@ -156,7 +166,7 @@ def load(
     speculates = drafter == "ngram" or draft is not None
     if group is not None and group.rank() > 0:
         draft = None  # the draft runs on rank 0 only (macspec/distributed.py says why)
-    model, tokenizer, config = _load_model(target_path, group)
+    model, tokenizer, config = _load_model(target_path, group, kernels)
     rows = _embedding_rows(model)
     pair = Pair(
         target=model,
@@ -165,6 +175,7 @@ def load(
         context_length=_context_length(config),
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         group=group,
+        kernels=kernels,
     )
     vocab = len(tokenizer._tokenizer)
     # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
@@ -209,7 +220,7 @@ def _special_ids(pair: Pair) -> frozenset[int]:
 def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[bool], Drafter]:
     """Load an ordinary draft model into `pair` after checking it can draft for the target;
     returns the factory of its drafter."""
-    pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path)
+    pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path, use_kernels=pair.kernels)
     draft_rows = _embedding_rows(pair.draft)
     # The draft must use the target's ids; refuse another tokenizer before generating anything.
     check_tokenizers(

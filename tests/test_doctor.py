@@ -49,8 +49,9 @@ def test_choose_weight_format():
     assert be.choose_weight_format(135_000_000, "cuda").dtype == "4bit"
     assert be.choose_weight_format(135_000_000, "cpu", ob, 16 * gb).dtype == "float32"
     assert be.choose_weight_format(8 * gb, "cpu", ob, 16 * gb).dtype == "bfloat16"
+    # MLX's CPU quantized products are slower than even reference-BLAS float32 ones
     slow = be.choose_weight_format(135_000_000, "cpu", ref, 16 * gb)
-    assert slow.dtype == "4bit" and be.OPENBLAS_PACKAGE in slow.reason
+    assert slow.dtype == "float32" and be.OPENBLAS_PACKAGE in slow.reason
 
 
 def test_measurements_are_positive():

@@ -31,13 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in dict.fromkeys(COMMANDS.values()):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:  # a real import error inside an existing module
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(module_name).register(sub)
     return parser
 
 

@@ -318,7 +318,8 @@ def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
     """The factory macspec.load uses for a draft.json of kind "eagle": a fresh drafter per
     generation, sharing the weights and the target's embedding and head."""
     draft, vocab_ids, meta = read_draft_for(path, pair.target)
-    kernels.accelerate_layers([draft.layer])  # the same CPU kernels as the target's layers
+    if pair.kernels:
+        kernels.accelerate_layers([draft.layer])  # the same CPU kernels as the target's layers
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
     parts = TargetParts(pair.target, vocab_ids)
 

@@ -17,6 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..backend import choose_weight_format
 from ..errors import ConvertError, ModelError, OptionError
 from .convert import convert
 from .store import DATA, INFO_FILE, is_model_dir, store_root
@@ -29,22 +30,20 @@ BASE_NAME = "SmolLM2-135M-Instruct"
 DRAFT_DIR = DATA / "default-draft"
 DRAFT_FILES = ("config.json", "draft.json", "model.safetensors")  # what loading it reads
 FORMATS = ("float32", "float16", "4bit")
+PARAMETERS = 135_000_000  # SmolLM2-135M
 
 
 def default_format() -> tuple[str, str]:
-    """(format, reason): float32 on CPU backends, where MLX's quantized and float16 matmuls do not
-    use BLAS and float32 is fastest; the GGUF's own 4-bit weights on a GPU (Metal), where memory
-    bandwidth rules. `MACSPEC_DEFAULT_FORMAT` (float32 | float16 | 4bit) overrides."""
+    """(format, reason): `backend.choose_weight_format`'s rule (float32 on CPU backends, the
+    GGUF's own 4-bit weights on a GPU). `MACSPEC_DEFAULT_FORMAT` (float32 | float16 | 4bit)
+    overrides."""
     env = os.environ.get("MACSPEC_DEFAULT_FORMAT")
     if env:
         if env not in FORMATS:
             raise OptionError(f"MACSPEC_DEFAULT_FORMAT must be one of {', '.join(FORMATS)}")
         return env, "set by MACSPEC_DEFAULT_FORMAT"
-    import mlx.core as mx
-
-    if mx.default_device() == mx.gpu:
-        return "4bit", "GPU backend: 4-bit weights need the least memory bandwidth"
-    return "float32", "CPU backend: float32 matmuls use BLAS there, quantized/float16 ones do not"
+    choice = choose_weight_format(PARAMETERS)
+    return {"bfloat16": "float16"}.get(choice.dtype, choice.dtype), choice.reason
 
 
 def store_name(fmt: str) -> str:
