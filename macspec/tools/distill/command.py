@@ -50,33 +50,11 @@ def distill(
 ) -> Path:
     """Train a draft for `target` and write it to `output` (a store name or a directory).
 
-    `config` and `options` (the fields of DistillConfig: tokens=..., resume=True, ...) set the
+    `config` and `options` (DistillConfig's fields: tokens=..., resume=True, init=...) set the
     run. Work files (sampled data, checkpoints) go to a hidden `.distill-<name>` directory beside
-    the output, so an interrupted run continues with resume=True. `init` (a draft directory or
-    store name) continues training an existing eagle draft for this target on this run's data:
-    its weights, vocabulary and feature statistics are the starting point (`vocab` is not used).
-    `feature_layers`: "auto" (a low, a middle and a high layer, as EAGLE-3), "none" (the final
-    features only) or comma-separated layer indices; by default "auto", or with `init` the
-    layers that draft reads. An `init` draft reading the final features only can be given
-    layers: it is widened, starting out exactly as it was (see widen_draft).
-    Returns the draft's directory."""
+    the output, so an interrupted run continues with resume=True. Returns the draft's directory."""
     run = _prepare(target, output, DistillConfig.of(config, **options), progress)
-    cfg = run.config
-    start = time.perf_counter()
-    say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
-    _, shards = generate_data(
-        run.pair,
-        run.prompts,
-        run.work / "data",
-        tokens=cfg.tokens,
-        seed=cfg.seed,
-        rows=DATA_ROWS,
-        max_new=cfg.max_new,
-        taps=run.taps,
-        progress=progress,
-    )
-    data_seconds = time.perf_counter() - start
-    data = Dataset(run.work / "data", cfg.max_new, shards, layers=bool(run.taps))
+    data, data_seconds = _sample(run)
     shape = draft_config(run.pair.target, run.taps)
     draft, vocab_ids, facts = _train(run, data, shape)
     staged = _stage(run, draft, vocab_ids, shape)
@@ -87,8 +65,8 @@ def distill(
         data,
         vocab_ids,
         facts={**facts, "data": {"prompts": len(run.prompts), "seconds": round(data_seconds, 1)}},
-        eval_tokens=cfg.eval_tokens,
-        seed=cfg.seed,
+        eval_tokens=run.config.eval_tokens,
+        seed=run.config.seed,
         progress=progress,
     )
     (staged / "report.json").write_text(json.dumps(report, indent=1))
@@ -170,6 +148,26 @@ def _record(run: _Run) -> None:
                 "delete it to restart"
             )
     run_file.write_text(json.dumps(settings, indent=1))
+
+
+def _sample(run: _Run) -> tuple[Dataset, float]:
+    """Sample the data (keeping the shards an earlier run made); returns it and the seconds."""
+    cfg = run.config
+    start = time.perf_counter()
+    say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
+    _, shards = generate_data(
+        run.pair,
+        run.prompts,
+        run.work / "data",
+        tokens=cfg.tokens,
+        seed=cfg.seed,
+        rows=DATA_ROWS,
+        max_new=cfg.max_new,
+        taps=run.taps,
+        progress=run.progress,
+    )
+    seconds = time.perf_counter() - start
+    return Dataset(run.work / "data", cfg.max_new, shards, layers=bool(run.taps)), seconds
 
 
 def _init_name(run: _Run) -> str | None:

@@ -19,6 +19,14 @@ def _opt(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass(frozen=True)
 class DistillConfig:
+    """A distill run's options. `init` (a draft directory or store name) continues training an
+    eagle draft for this target on this run's data: its weights, vocabulary and feature
+    statistics are the start (`vocab` is not used). `feature_layers`: "auto" (a low, a middle
+    and a high layer, as EAGLE-3), "none" (the final features only) or comma-separated layer
+    indices; by default "auto", or with `init` the layers that draft reads. An `init` draft
+    reading the final features only can be given layers: it is widened, starting out exactly
+    as it was (training.widen_draft)."""
+
     kind: str = _opt("eagle", "draft kind", choices=("eagle",))
     tokens: int = _opt(60_000, "target tokens to sample")
     prompts: str | None = _opt(None, "extra training prompts (text/JSON/JSONL)")
