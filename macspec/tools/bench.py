@@ -357,8 +357,13 @@ def bench(
         runner.run(m, encoded[0][1][:64], 0.0, seed, rec)
     records = _measure(runner, plan, encoded, temps, repeats, seed, say)
 
-    settings = {"max_tokens": max_tokens, "temperatures": temps, "num_draft": ks}
-    settings |= {"repeats": repeats, "seed": seed}
+    settings = {
+        "max_tokens": max_tokens,
+        "temperatures": temps,
+        "num_draft": ks,
+        "repeats": repeats,
+        "seed": seed,
+    }
     result: dict[str, Any] = {
         "meta": _meta(pairs, bandwidth, weight_bytes, settings, encoded, plan),
         "skipped": skipped,
