@@ -17,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from macspec.tools.bench_report import find_row, iter_rows
+
 START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 MACSPEC_SPEC = ("macspec", "macspec_adaptive")
 
@@ -29,20 +31,14 @@ def _f(v: float | None, digits: int = 2) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
-def _rows(result: dict, temp: float, kind: str = "all") -> list[dict]:
-    return [r for r in result["summary"] if r["temperature"] == temp and r["kind"] == kind]
-
-
-def _cell(result: dict, temp: float, label: str, kind: str) -> dict | None:
-    return next((r for r in _rows(result, temp, kind) if r["label"] == label), None)
-
-
 def targets(result: dict, comparison_only: bool = False) -> list[str]:
     """The issue's goals, checked against this run (only those the run can answer)."""
     lines = []
 
     def best(temp: float, kind: str, methods: tuple[str, ...]) -> dict | None:
-        cands = [r for r in _rows(result, temp, kind) if r["method"] in methods and r["speedup"]]
+        cands = [
+            r for r in iter_rows(result, temp, kind) if r["method"] in methods and r["speedup"]
+        ]
         return max(cands, key=lambda r: r["speedup"], default=None)
 
     temps = result["meta"]["temperatures"]
@@ -56,13 +52,13 @@ def targets(result: dict, comparison_only: bool = False) -> list[str]:
                 f"{b['speedup']:.2f}x — {ok}"
             )
     if 0.7 in temps:
-        for r in _rows(result, 0.7):
+        for r in iter_rows(result, 0.7):
             if r["method"] != "macspec":
                 continue
             m = next(
                 (
                     x
-                    for x in _rows(result, 0.7)
+                    for x in iter_rows(result, 0.7)
                     if x["method"] == "mlx_lm_spec" and x["num_draft"] == r["num_draft"]
                 ),
                 None,
@@ -148,12 +144,12 @@ def render(result: dict, charts: list[str], comparison_only: bool = False) -> st
         ]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
-        for r in _rows(result, temp):
+        for r in iter_rows(result, temp):
             ts = r["tok_s"]
             tok = f"{ts['median']:.1f} ({ts['min']:.1f}–{ts['max']:.1f})" if ts else "–"
             per_kind = [
                 _x((c or {}).get("speedup"))
-                for c in (_cell(result, temp, r["label"], k) for k in kinds)
+                for c in (find_row(result, temp, r["label"], k) for k in kinds)
             ]
             bw = r["bandwidth_fraction"]
             cells = [

@@ -11,6 +11,7 @@ from macspec.cli import main
 from macspec.engine.policy import COPY_FACTOR
 from macspec.errors import OptionError, PromptError
 from macspec.tools import bench as bm
+from macspec.tools.bench_report import RunRecord, format_table, summarise, write_charts
 from macspec.tools.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts, render
 
 
@@ -107,7 +108,7 @@ def test_json_and_charts_are_written(result):
     assert saved["summary"] == json.loads(json.dumps(result["summary"]))
     for png in files[1:]:
         assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    table = bm.format_table(result)
+    table = format_table(result)
     assert "mlx-lm plain" in table and "temperature 0.7" in table
 
 
@@ -147,7 +148,7 @@ def test_cli_bad_option_is_a_message(same_pair, capsys):
 
 def test_summarise_exact_numbers():
     def rec(method, label, rep, tokens, seconds, drafted=0, accepted=0, k=0):
-        r = bm.RunRecord(method, label, k, "chat", "chat-1", 0.0, rep, rep)
+        r = RunRecord(method, label, k, "chat", "chat-1", 0.0, rep, rep)
         r.decode_tokens, r.decode_time, r.passes = tokens, seconds, tokens
         if drafted:
             r.drafted, r.accepted, r.spec_rounds = drafted, accepted, drafted // k
@@ -162,7 +163,7 @@ def test_summarise_exact_numbers():
         rec("mlx_lm", "mlx-lm plain", 2, 10, 0.5),
         rec("macspec", "macspec K=2", 0, 30, 1.0, drafted=20, accepted=10, k=2),
     ]
-    rows = {(r["label"], r["kind"]): r for r in bm.summarise(records, 1000, 1.0)}
+    rows = {(r["label"], r["kind"]): r for r in summarise(records, 1000, 1.0)}
     base = rows[("mlx-lm plain", "all")]
     assert base["tok_s"] == {"median": 10.0, "min": 5.0, "max": 20.0}
     spec = rows[("macspec K=2", "chat")]
@@ -246,8 +247,6 @@ def test_readme_script_replaces_only_the_results_block(result, tmp_path):
 def test_charts_of_the_final_run_shape(tmp_path):
     """One repeat: min == median == max, whose scaled difference rounds below zero (a real run
     crashed on it); the whiskers must then be zero, not an error."""
-    from macspec.tools.bench import write_charts
-
     cell = {
         "temperature": 0.0,
         "kind": "chat",
@@ -268,3 +267,23 @@ def test_charts_of_the_final_run_shape(tmp_path):
     assert 1.1 - (0.1 + 0.2) * (1.1 / 0.3) < 0  # the rounding that crashed
     files = write_charts(result, tmp_path)
     assert (tmp_path / "speedup.png").stat().st_size > 0 and files
+
+
+def test_target_without_a_draft_runs_what_needs_none(same_pair, tmp_path):
+    result = bm.bench(
+        same_pair[0],
+        methods="mlx_lm,macspec,macspec_plain",
+        kinds="code",
+        per_kind=1,
+        max_tokens=4,
+        temperature="0",
+        num_draft="2",
+        repeats=1,
+        output=tmp_path,
+        charts=False,
+        quiet=True,
+    )
+    assert result["meta"]["methods"] == ["mlx-lm plain", "macspec plain"]
+    assert result["skipped"] == [
+        {"method": "macspec", "reason": "no draft model loaded (use --draft)"}
+    ]

@@ -17,6 +17,16 @@ from macspec.errors import MacspecError, ModelError, OptionError, PromptError
 from macspec.models.compat import check
 from macspec.models.store import _acceptance
 from macspec.tools import distill as d
+from macspec.tools.distill.data import (
+    TEMPERATURE_CYCLES,
+    Dataset,
+    data_jobs,
+    feature_taps,
+    generate_data,
+    parse_feature_layers,
+    training_prompts,
+)
+from macspec.tools.distill.training import train, unrolled, widen_draft
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 
@@ -81,13 +91,13 @@ def test_training_raises_acceptance(run, tmp_path):
     save_draft(untrained, initial, vocab_ids.tolist(), meta["config"])
     (untrained / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
     before = macspec.load(target, untrained)
-    prompts = d.training_prompts(trained)[:12:3]
+    prompts = training_prompts(trained)[:12:3]
     assert acceptance(trained, prompts) > acceptance(before, prompts) + 0.1
 
 
 def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
     target, out = run
-    data = d.Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
+    data = Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
     pair = macspec.load(target)
     parts = TargetParts(pair.target, mx.arange(pair.vocab_size))
     config = draft_config(pair.target)
@@ -95,11 +105,11 @@ def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
 
     mx.random.seed(0)
     whole = EagleDraft(config)
-    d.train(whole, parts, data, tmp_path / "a", **kw)
+    train(whole, parts, data, tmp_path / "a", **kw)
 
     mx.random.seed(0)
     part = EagleDraft(config)
-    real_batch, calls = d.Dataset.batch, []
+    real_batch, calls = Dataset.batch, []
 
     def interrupted(self, rows):
         calls.append(1)
@@ -107,14 +117,14 @@ def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
             raise KeyboardInterrupt
         return real_batch(self, rows)
 
-    monkeypatch.setattr(d.Dataset, "batch", interrupted)
+    monkeypatch.setattr(Dataset, "batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        d.train(part, parts, data, tmp_path / "b", checkpoint_every=2, **kw)
-    monkeypatch.setattr(d.Dataset, "batch", real_batch)
+        train(part, parts, data, tmp_path / "b", checkpoint_every=2, **kw)
+    monkeypatch.setattr(Dataset, "batch", real_batch)
     assert json.loads((tmp_path / "b" / "checkpoint.json").read_text())["step"] == 6
     mx.random.seed(1)
     resumed = EagleDraft(config)  # other initial weights: the checkpoint must replace them
-    d.train(resumed, parts, data, tmp_path / "b", resume=True, checkpoint_every=2, **kw)
+    train(resumed, parts, data, tmp_path / "b", resume=True, checkpoint_every=2, **kw)
     for (name, a), (_, b) in zip(
         tree_flatten(whole.parameters()), tree_flatten(resumed.parameters()), strict=True
     ):
@@ -166,10 +176,10 @@ def test_init_must_be_an_eagle_draft_for_this_target(run, tmp_path):
 
 def test_held_out_prompts_do_not_depend_on_the_seed(run, tmp_path):
     pair = macspec.load(run[0])
-    prompts = d.training_prompts(pair)[:60]
+    prompts = training_prompts(pair)[:60]
     status = []  # prompt ids -> held out?
     for seed in (0, 1):
-        d.generate_data(
+        generate_data(
             pair,
             prompts,
             tmp_path / str(seed),
@@ -179,7 +189,7 @@ def test_held_out_prompts_do_not_depend_on_the_seed(run, tmp_path):
             max_new=4,
             progress=False,
         )
-        data = d.Dataset(tmp_path / str(seed), 4)
+        data = Dataset(tmp_path / str(seed), 4)
         held = set(data.split()[1])
         status.append(
             {data.ids[r][: data.first[r] + 2].tobytes(): r in held for r in range(len(data))}
@@ -191,9 +201,9 @@ def test_held_out_prompts_do_not_depend_on_the_seed(run, tmp_path):
 
 def test_sampled_data_is_seeded(tmp_path, run):
     pair = macspec.load(run[0])
-    prompts = d.training_prompts(pair)[:3]
+    prompts = training_prompts(pair)[:3]
     for name in ("a", "b"):
-        d.generate_data(
+        generate_data(
             pair, prompts, tmp_path / name, tokens=60, seed=3, rows=4, max_new=8, progress=False
         )
     a, b = (mx.load(str(tmp_path / n / "shard-00000.safetensors")) for n in ("a", "b"))
@@ -201,10 +211,10 @@ def test_sampled_data_is_seeded(tmp_path, run):
     written = len(list((tmp_path / "a").glob("shard-*")))
     assert written >= 2
     # A smaller budget later reuses the first shards only, and training reads only those.
-    have, shards = d.generate_data(
+    have, shards = generate_data(
         pair, prompts, tmp_path / "a", tokens=1, seed=3, rows=4, max_new=8, progress=False
     )
-    assert shards == 1 and len(d.Dataset(tmp_path / "a", 8, shards)) == 4
+    assert shards == 1 and len(Dataset(tmp_path / "a", 8, shards)) == 4
     assert len(list((tmp_path / "a").glob("shard-*"))) == written
     # Every stored hidden state is the target's own at that position (left padding is exact).
     row = 1
@@ -253,7 +263,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
     ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
     feats = hidden_states(target, ids[:-1], None, feature_layers)[None]
     embeds = target.model.embed_tokens(ids[1:])[None]
-    outs = d.unrolled(draft, draft.state(feats), embeds, 3)
+    outs = unrolled(draft, draft.state(feats), embeds, 3)
     for anchor in (0, 2, 5):
         cache = KVCache()
         out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
@@ -271,10 +281,10 @@ def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
     from macspec.engine.round import hidden_states
 
     pair = macspec.load(run[0])
-    taps = d.feature_taps(len(pair.target.model.layers))
+    taps = feature_taps(len(pair.target.model.layers))
     assert taps == (0,)  # 2 layers: the last one's output is the final features before the norm
-    prompts = d.training_prompts(pair)[:3]
-    d.generate_data(
+    prompts = training_prompts(pair)[:3]
+    generate_data(
         pair, prompts, tmp_path, tokens=30, seed=3, rows=4, max_new=8, taps=taps, progress=False
     )
     shard = mx.load(str(tmp_path / "shard-00000.safetensors"))
@@ -283,12 +293,12 @@ def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
     want = hidden_states(pair.target, shard["tokens"][row, s:e], None, taps)
     got = mx.concatenate([shard["layers"][row, s:e, 0], shard["hidden"][row, s:e]], axis=-1)
     assert mx.allclose(want, got.astype(mx.float32), atol=2e-2).item()
-    data = d.Dataset(tmp_path, 8, layers=True)
+    data = Dataset(tmp_path, 8, layers=True)
     assert data.feats[0].shape[1] == 2 * data.hidden_size
     untapped = tmp_path / "untapped"
-    d.generate_data(pair, prompts, untapped, tokens=10, seed=3, rows=4, max_new=8, progress=False)
+    generate_data(pair, prompts, untapped, tokens=10, seed=3, rows=4, max_new=8, progress=False)
     with pytest.raises(MacspecError, match="no layer outputs"):
-        d.Dataset(untapped, 8, layers=True)
+        Dataset(untapped, 8, layers=True)
 
 
 def test_a_partial_data_cycle_covers_prompts_of_every_length():
@@ -296,10 +306,10 @@ def test_a_partial_data_cycle_covers_prompts_of_every_length():
     stops early are not all short prompts."""
     rng = np.random.default_rng(0)
     prompts = [[1] * int(n) for n in rng.integers(5, 300, size=2000)]
-    jobs = d.data_jobs(prompts, seed=0, rows=32)
+    jobs = data_jobs(prompts, seed=0, rows=32)
     first = [len(prompts[i]) for job in jobs[:10] for i, _ in job]
     assert max(first) > 250 and min(first) < 20
-    cycle = [i for job in jobs for i, t in job if t == d.TEMPERATURE_CYCLES[0][0]]
+    cycle = [i for job in jobs for i, t in job if t == TEMPERATURE_CYCLES[0][0]]
     assert sorted(cycle)[:2000] == list(range(2000))  # every prompt in the first cycle
 
 
@@ -313,7 +323,7 @@ def test_widened_draft_predicts_what_it_did(tmp_path):
     narrow.init_from_features(mx.random.normal((48,)), 1.0 + mx.random.uniform(shape=(48,)))
     config = draft_config(target, (0, 1))
     stats = (mx.random.normal((3 * 48,)), 1.0 + mx.random.uniform(shape=(3 * 48,)))
-    wide = d.widen_draft(narrow, config, stats)
+    wide = widen_draft(narrow, config, stats)
     assert wide.feature_layers == (0, 1)
     ids = mx.array([1, 9, 4, 7, 12, 3])
     feats = hidden_states(target, ids[:-1], None, (0, 1))[None]
@@ -326,11 +336,11 @@ def test_widened_draft_predicts_what_it_did(tmp_path):
 @pytest.mark.parametrize("value", ["", "x", "2,x", "-1", "29", "30"])
 def test_bad_feature_layers_are_refused_by_name(value):
     with pytest.raises(OptionError, match=f"invalid feature_layers={value!r}"):
-        d.parse_feature_layers(value, 30)
+        parse_feature_layers(value, 30)
 
 
 def test_feature_layers_values():
-    assert d.parse_feature_layers("auto", 30) == (2, 15, 27)
-    assert d.parse_feature_layers("none", 30) == ()
-    assert d.parse_feature_layers("27,2,2", 30) == (2, 27)
-    assert d.feature_taps(1) == () and d.feature_taps(4) == (1, 2)
+    assert parse_feature_layers("auto", 30) == (2, 15, 27)
+    assert parse_feature_layers("none", 30) == ()
+    assert parse_feature_layers("27,2,2", 30) == (2, 27)
+    assert feature_taps(1) == () and feature_taps(4) == (1, 2)

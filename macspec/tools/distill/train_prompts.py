@@ -1,13 +1,13 @@
 """Training prompts for `macspec distill`: the contexts whose target continuations a draft learns.
 
-The benchmark and evaluation prompts (macspec.prompts.BUILTIN) are not among them, nor their
+The benchmark and evaluation prompts (macspec.tools.prompts.BUILTIN) are not among them, nor their
 topics (sleep, the colour of the sky, viruses and bacteria, learning a language), so a draft's
 measured acceptance is on contexts it never saw.
 """
 
 from __future__ import annotations
 
-# Training prompts by kind. The evaluation prompts (macspec.prompts.BUILTIN) are not among them.
+# Training prompts by kind.
 TRAIN_PROMPTS: dict[str, tuple[str, ...]] = {
     "chat": (
         "How can I stay focused while working from home?",

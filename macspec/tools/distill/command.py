@@ -1,0 +1,276 @@
+"""`distill()` and the `macspec distill` command: the stages in order, in one work directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ...engine.eagle import TargetParts, draft_config, load_draft, save_draft
+from ...errors import OptionError, PromptError
+from ...models.store import _looks_like_path, store_root, validate_name
+from ...pair import load
+from .config import DistillConfig, add_arguments
+from .data import DATA_ROWS, Dataset, generate_data, parse_feature_layers, training_prompts
+from .evaluation import agreement, draft_report
+from .progress import say
+from .training import init_draft, start_draft, train
+
+# The settings a resumed run must share with the one that made its data (run.json).
+_DATA_SETTINGS = ("seed", "max_new", "rows", "prompts", "feature_layers")
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What the stages of one run share."""
+
+    config: DistillConfig
+    pair: Any
+    out: Path
+    work: Path
+    taps: tuple[int, ...]
+    prompts: list[list[int]]
+    start_from: tuple[Any, list[int], Path] | None
+    progress: bool
+
+
+def distill(
+    target: str,
+    output: str,
+    config: DistillConfig | None = None,
+    *,
+    progress: bool = True,
+    **options: Any,
+) -> Path:
+    """Train a draft for `target` and write it to `output` (a store name or a directory).
+
+    `config` and `options` (DistillConfig's fields: tokens=..., resume=True, init=...) set the
+    run. Work files (sampled data, checkpoints) go to a hidden `.distill-<name>` directory beside
+    the output, so an interrupted run continues with resume=True. Returns the draft's directory."""
+    run = _prepare(target, output, DistillConfig.of(config, **options), progress)
+    data, data_seconds = _sample(run)
+    shape = draft_config(run.pair.target, run.taps)
+    draft, vocab_ids, facts = _train(run, data, shape)
+    staged = _stage(run, draft, vocab_ids, shape)
+    say("evaluating on the built-in prompts (held out from training)")
+    report = draft_report(
+        run.pair,
+        draft,
+        data,
+        vocab_ids,
+        facts={**facts, "data": {"prompts": len(run.prompts), "seconds": round(data_seconds, 1)}},
+        eval_tokens=run.config.eval_tokens,
+        seed=run.config.seed,
+        progress=progress,
+    )
+    (staged / "report.json").write_text(json.dumps(report, indent=1))
+    if run.out.exists():
+        shutil.rmtree(run.out)
+    shutil.copytree(staged, run.out)
+    say(f"wrote {run.out}")
+    return run.out
+
+
+def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _Run:
+    """Every check that can fail, before the long part: the output, the work directory, the
+    target, the draft to continue, the feature layers, the prompts. Then run.json."""
+    out = _output_dir(output)
+    work = out.parent / f".distill-{out.name}"
+    if out.exists() and not cfg.force:
+        raise OptionError(f"{out} already exists; pass --force to replace it")
+    if work.exists() and not cfg.resume:
+        raise OptionError(
+            f"an earlier distill run left {work}: pass --resume to continue it, or delete it"
+        )
+    pair = load(target)  # raises ModelError for a missing target
+    start_from = None if cfg.init is None else init_draft(cfg.init, pair)
+    taps = _taps(cfg.feature_layers, pair, start_from)
+    ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
+    fits = [p for p in ids if len(p) + cfg.max_new < pair.context_length]
+    if not fits:
+        raise PromptError(f"no training prompt fits the target's context of {pair.context_length}")
+    _writable(work)
+    run = _Run(cfg, pair, out, work, taps, fits, start_from, progress)
+    _record(run)
+    return run
+
+
+def _taps(feature_layers: str | None, pair: Any, start_from: tuple | None) -> tuple[int, ...]:
+    """The target layers the draft reads: the option's, else "auto", or the --init draft's."""
+    if feature_layers is None:
+        feature_layers = "auto" if start_from is None else "init"
+    if feature_layers == "init":
+        return tuple(start_from[0].feature_layers)
+    taps = parse_feature_layers(feature_layers, len(pair.target.model.layers))
+    if start_from is not None and start_from[0].feature_layers not in ((), taps):
+        raise OptionError(
+            f"the draft {start_from[2]} reads target layers {list(start_from[0].feature_layers)}:"
+            f" continue it with those, not feature_layers={feature_layers!r}"
+        )
+    return taps
+
+
+def _record(run: _Run) -> None:
+    """Write run.json, refusing a work directory whose data was made with other settings."""
+    cfg = run.config
+    settings = {
+        "target": str(run.pair.target_path),
+        "seed": cfg.seed,
+        "max_new": cfg.max_new,
+        "rows": DATA_ROWS,
+        "prompts": len(run.prompts),
+        "feature_layers": list(run.taps),
+        "vocab": cfg.vocab,
+        "unroll": cfg.unroll,
+        "epochs": cfg.epochs,
+        "batch_rows": cfg.batch_rows,
+        "lr": cfg.lr,
+        "tokens": cfg.tokens,
+        "init": _init_name(run),
+    }
+    run_file = run.work / "run.json"
+    if run_file.is_file():
+        before = json.loads(run_file.read_text())
+        changed = [
+            k
+            for k in _DATA_SETTINGS
+            if before.get(k, [] if k == "feature_layers" else None) != settings[k]
+        ]
+        if changed:
+            raise OptionError(
+                f"{run.work} was made with other settings ({', '.join(changed)}); "
+                "delete it to restart"
+            )
+    run_file.write_text(json.dumps(settings, indent=1))
+
+
+def _sample(run: _Run) -> tuple[Dataset, float]:
+    """Sample the data (keeping the shards an earlier run made); returns it and the seconds."""
+    cfg = run.config
+    start = time.perf_counter()
+    say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
+    _, shards = generate_data(
+        run.pair,
+        run.prompts,
+        run.work / "data",
+        tokens=cfg.tokens,
+        seed=cfg.seed,
+        rows=DATA_ROWS,
+        max_new=cfg.max_new,
+        taps=run.taps,
+        progress=run.progress,
+    )
+    seconds = time.perf_counter() - start
+    return Dataset(run.work / "data", cfg.max_new, shards, layers=bool(run.taps)), seconds
+
+
+def _init_name(run: _Run) -> str | None:
+    return None if run.start_from is None else str(run.start_from[2])
+
+
+def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]:
+    """Train a draft of `shape` (draft_config) on the data; returns it, its vocabulary and the
+    facts for the report."""
+    cfg, pair = run.config, run.pair
+    train_rows, held = data.split()
+    mx.random.seed(cfg.seed)
+    draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from)
+    parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+    before = agreement(draft, parts, data, held, cfg.unroll)
+    start = time.perf_counter()
+    facts = train(
+        draft,
+        parts,
+        data,
+        run.work / "checkpoints",
+        epochs=cfg.epochs,
+        batch_rows=cfg.batch_rows,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        unroll=cfg.unroll,
+        resume=cfg.resume,
+        progress=run.progress,
+        rows=train_rows,
+    )
+    seconds = time.perf_counter() - start
+    after = agreement(draft, parts, data, held, cfg.unroll)
+    say(f"held-out top-1 agreement by draft position: {before} -> {after}")
+    return (
+        draft,
+        vocab_ids,
+        {
+            "init": _init_name(run),
+            "training": {**facts, "seconds": round(seconds, 1)},
+            "agreement": {"before": before, "after": after},
+        },
+    )
+
+
+def _stage(run: _Run, draft: Any, vocab_ids: list[int], shape: dict) -> Path:
+    """Write the draft into the work directory and make it the pair's drafter (to evaluate)."""
+    pair = run.pair
+    staged = run.work / "draft"
+    shutil.rmtree(staged, ignore_errors=True)
+    extra = {"target": pair.target_path.name, "seed": run.config.seed}
+    save_draft(staged, draft, vocab_ids, shape, extra)
+    _copy_tokenizer(pair.target_path, staged)
+    pair.drafter_factory = load_draft(staged, pair)
+    pair.drafter_kind = "eagle"
+    return staged
+
+
+def _output_dir(output: str) -> Path:
+    if not isinstance(output, str) or not output:
+        raise OptionError("give the draft a name or a directory: -o NAME")
+    if _looks_like_path(output):
+        return Path(output).expanduser().resolve()
+    return store_root() / validate_name(output)
+
+
+def _writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OptionError(f"cannot write to {path}: {e.strerror or e}") from None
+
+
+def _copy_tokenizer(src: Path, dest: Path) -> None:
+    # The draft speaks the target's ids: `macspec check` and `macspec models` read these files.
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "tokenizer.model",
+        "chat_template.jinja",
+        "vocab.json",
+        "merges.txt",
+    ):
+        if (src / name).is_file():
+            shutil.copy2(src / name, dest / name)
+
+
+def _run(args: argparse.Namespace) -> int:
+    distill(args.target, args.output, DistillConfig.from_args(args))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "distill",
+        help="train a draft for a target from the target itself (EAGLE-style)",
+        description="Sample continuations from TARGET, train a feature-level draft on its hidden "
+        "states, evaluate it on held-out prompts and write it (with report.json) to -o NAME.",
+    )
+    p.add_argument("target", help="target model: a directory or a store name")
+    p.add_argument("-o", "--output", required=True, help="draft name in the store, or a directory")
+    add_arguments(p)
+    p.set_defaults(func=_run)

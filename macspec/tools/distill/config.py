@@ -1,0 +1,97 @@
+"""The options of `macspec distill`, each defined once: name, default, check and help.
+
+They are `distill()`'s keywords and the command's flags (--batch-rows for batch_rows), as
+macspec/options.py does for the generation options.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from ...errors import OptionError
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """A distill run's options. `init` (a draft directory or store name) continues training an
+    eagle draft for this target on this run's data: its weights, vocabulary and feature
+    statistics are the start (`vocab` is not used). `feature_layers`: "auto" (a low, a middle
+    and a high layer, as EAGLE-3), "none" (the final features only) or comma-separated layer
+    indices; by default "auto", or with `init` the layers that draft reads. An `init` draft
+    reading the final features only can be given layers: it is widened, starting out exactly
+    as it was (training.widen_draft)."""
+
+    kind: str = _opt("eagle", "draft kind", choices=("eagle",))
+    tokens: int = _opt(60_000, "target tokens to sample")
+    prompts: str | None = _opt(None, "extra training prompts (text/JSON/JSONL)")
+    seed: int = _opt(0, "seed of the sampled data, the initial weights and the batch order")
+    resume: bool = _opt(False, "continue an interrupted run")
+    epochs: int = _opt(6, "passes over the sampled data")
+    batch_rows: int = _opt(16, "sequences per training step")
+    lr: float = _opt(1e-3, "peak learning rate (AdamW)")
+    vocab: int = _opt(8192, "ids the draft may propose (most frequent); 0 = all")
+    max_new: int = _opt(128, "tokens sampled per continuation")
+    unroll: int = _opt(2, "training passes on the draft's own predicted features")
+    feature_layers: str | None = _opt(
+        None,
+        "target layers the draft reads besides the final features: auto (a low, a middle and a "
+        "high one; the default), none, or indices such as 2,15,27 (with --init: that draft's "
+        "layers, or layers for a draft that has none)",
+    )
+    eval_tokens: int = _opt(96, "tokens per evaluation prompt")
+    init: str | None = _opt(
+        None,
+        "continue training this eagle draft (its weights, vocabulary and feature statistics)",
+        metavar="DRAFT",
+    )
+    force: bool = _opt(False, "replace an existing output")
+
+    def __post_init__(self) -> None:
+        if self.kind != "eagle":
+            raise OptionError(
+                f"unknown kind {self.kind!r}: only 'eagle' is implemented (a from-scratch 'small' "
+                "draft reached 0.35 agreement on this budget, see macspec/engine/eagle.py)"
+            )
+        for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OptionError(f"invalid {name}={value!r}: must be an integer >= 1")
+
+    @classmethod
+    def of(cls, config: DistillConfig | None = None, **options: Any) -> DistillConfig:
+        """`config` (or the defaults) with `options` set; OptionError for an unknown name."""
+        unknown = set(options) - set(NAMES)
+        if unknown:
+            raise OptionError(
+                f"unknown option(s) {', '.join(sorted(unknown))}; the options are "
+                f"{', '.join(NAMES)}"
+            )
+        return replace(config, **options) if config is not None else cls(**options)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DistillConfig:
+        return cls(**{name: getattr(args, name) for name in NAMES})
+
+
+NAMES = tuple(f.name for f in fields(DistillConfig))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per option, with the option's default and help."""
+    for f in fields(DistillConfig):
+        flag = "--" + f.name.replace("_", "-")
+        cli = {k: v for k, v in f.metadata.items() if k != "help"}
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"], **cli)
+            continue
+        help_text = f.metadata["help"]
+        if isinstance(f.default, (int, float)):
+            help_text += f" (default {f.default})"
+            cli["type"] = type(f.default)
+        parser.add_argument(flag, default=f.default, help=help_text, **cli)
