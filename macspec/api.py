@@ -159,6 +159,20 @@ class _StatsCounter:
 # ---------------------------------------------------------------- generation
 
 
+def prompt_ids(
+    pair: Pair,
+    prompt: str | Sequence[int] | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+) -> list[int]:
+    """The token ids a generation from `prompt` or `messages` starts from (stream_generate's
+    rules: messages through the chat template, a string as-is, ids exactly)."""
+    if (prompt is None) == (messages is None):
+        raise PromptError("give either a prompt or messages, not both or neither")
+    if messages is not None:
+        prompt = chat_template.render(pair.tokenizer, messages)
+    return _encode(pair, prompt)
+
+
 def _encode(pair: Pair, prompt: str | Sequence[int]) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
@@ -196,10 +210,7 @@ def stream_generate(
     (macspec/options.py: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
     num_draft, seed, stop, speculative, adaptive)."""
     opts = GenerationOptions.from_kwargs(**options)
-    if (prompt is None) == (messages is None):
-        raise PromptError("give either a prompt or messages, not both or neither")
-    text = None if messages is None else chat_template.render(pair.tokenizer, messages)
-    ids = _encode(pair, prompt if text is None else text)
+    ids = prompt_ids(pair, prompt, messages)
     if len(ids) >= pair.context_length:
         raise PromptError(
             f"the prompt has {len(ids)} tokens but the model's context holds "

@@ -12,7 +12,7 @@ from macspec.engine.policy import COPY_FACTOR
 from macspec.errors import OptionError, PromptError
 from macspec.tools import bench as bm
 from macspec.tools.bench_report import RunRecord, format_table, summarise, write_charts
-from macspec.tools.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts, render
+from macspec.tools.prompts import BUILTIN, KINDS, builtin_prompts, load_prompts
 
 
 @pytest.fixture(scope="module")
@@ -201,11 +201,14 @@ def test_prompt_files(tmp_path):
         load_prompts(tmp_path / "bad.json")
 
 
-def test_render_uses_the_chat_template(same_pair):
+def test_prompts_go_through_the_chat_template(same_pair):
     import macspec
+    from macspec.api import prompt_ids
 
     pair = macspec.load(same_pair[0])
-    assert render(pair.tokenizer, "hi") == "user: hi\nassistant: "
+    ids = prompt_ids(pair, messages=builtin_prompts(["chat"])[0].messages)
+    text = "user: " + builtin_prompts(["chat"])[0].text + "\nassistant: "
+    assert ids == prompt_ids(pair, text)
 
 
 def test_readme_script_replaces_only_the_results_block(result, tmp_path):

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from .. import backend as be
-from ..api import _encode, stream_generate
+from ..api import prompt_ids, stream_generate
 from ..engine import kernels
 from ..engine.policy import COPY_FACTOR
 from ..errors import MacspecError, OptionError
@@ -39,7 +39,7 @@ from .bench_report import (
     summarise,
     write_charts,
 )
-from .prompts import KINDS, Prompt, builtin_prompts, load_prompts, render
+from .prompts import KINDS, Prompt, builtin_prompts, load_prompts
 
 METHODS = ("mlx_lm", "mlx_lm_spec", "macspec", "macspec_adaptive", "macspec_ngram", "macspec_plain")
 _NEEDS_DRAFT = ("mlx_lm_spec", "macspec", "macspec_adaptive")
@@ -340,7 +340,7 @@ def bench(
     bandwidth = be.measure_bandwidth()
     encoded = []
     for p in prompt_list:
-        ids = _encode(pair, render(pair.tokenizer, p.text))
+        ids = prompt_ids(pair, messages=p.messages)
         if len(ids) + max_tokens > pair.context_length:
             reason = f"{len(ids)} prompt tokens + {max_tokens} exceed the context"
             skipped.append({"method": f"prompt {p.name}", "reason": reason})

@@ -10,7 +10,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import chat_template
 from ..errors import OptionError, PromptError
 
 KINDS = ("code", "chat", "grounded", "creative")
@@ -73,8 +72,13 @@ BUILTIN: dict[str, tuple[str, ...]] = {
 @dataclass(frozen=True)
 class Prompt:
     kind: str
-    text: str  # the user's message; render() turns it into model input
+    text: str  # the user's message
     name: str  # short, unique within a set, e.g. "code-1"
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The prompt as a conversation (the model's chat template makes its input)."""
+        return [{"role": "user", "content": self.text}]
 
 
 def builtin_prompts(
@@ -127,8 +131,3 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise PromptError(f"the prompt file {path} holds no prompts")
     return prompts
-
-
-def render(tokenizer, text: str) -> str:
-    """The model input for one user message (macspec.chat_template)."""
-    return chat_template.render(tokenizer, [{"role": "user", "content": text}])

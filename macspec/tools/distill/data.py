@@ -39,18 +39,13 @@ DATA_ROWS = 64
 
 def training_prompts(pair: Any, prompts_file: str | None = None) -> list[list[int]]:
     """Token ids of the training prompts (built-in + the user's file), chat template applied."""
-    from ..prompts import load_prompts, render
+    from ...api import prompt_ids
+    from ..prompts import load_prompts
 
     texts = [t for kind in TRAIN_PROMPTS.values() for t in kind]
     if prompts_file is not None:
         texts += [p.text for p in load_prompts(prompts_file)]
-    return [encode(pair.tokenizer, render(pair.tokenizer, t)) for t in texts]
-
-
-def encode(tokenizer: Any, text: str) -> list[int]:
-    # As macspec.generate: BOS only when the (templated) text does not already start with it.
-    add_special = tokenizer.bos_token is None or not text.startswith(tokenizer.bos_token)
-    return list(tokenizer.encode(text, add_special_tokens=add_special))
+    return [prompt_ids(pair, messages=[{"role": "user", "content": t}]) for t in texts]
 
 
 def save_atomic(path: Path, arrays: dict[str, mx.array], metadata: dict | None = None) -> None:

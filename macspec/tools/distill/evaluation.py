@@ -10,10 +10,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...api import generate
+from ...api import generate, prompt_ids
 from ...errors import MacspecError
-from ..prompts import builtin_prompts, render
-from .data import Dataset, encode
+from ..prompts import builtin_prompts
+from .data import Dataset
 from .progress import bar, end_bar
 from .training import params, unrolled
 
@@ -50,7 +50,7 @@ def evaluate(
     end-to-end speed against plain decoding on the chat prompts at temperature 0."""
     prompts = []
     for p in builtin_prompts():
-        ids = encode(pair.tokenizer, render(pair.tokenizer, p.text))
+        ids = prompt_ids(pair, messages=p.messages)
         if len(ids) + max_tokens < pair.context_length:
             prompts.append((p.kind, ids))
     if not prompts:
