@@ -85,10 +85,13 @@ def _llama(m: Meta, c: dict) -> dict:
 
 
 def _experts(m: Meta, c: dict) -> dict:
+    count, used = m.int("expert_count"), m.int("expert_used_count")
+    if not 0 < used <= count <= 4096:
+        raise ConvertError(f"{m.path}: implausible expert counts ({used} used of {count})")
     return {
-        "num_experts": m.int("expert_count"),
-        "num_local_experts": m.int("expert_count"),
-        "num_experts_per_tok": m.int("expert_used_count"),
+        "num_experts": count,
+        "num_local_experts": count,
+        "num_experts_per_tok": used,
         "moe_intermediate_size": m.int("expert_feed_forward_length", c["intermediate_size"]),
     }
 
@@ -275,8 +278,8 @@ def model_config(meta: dict, tensors: dict, path: Path, read: Reader) -> tuple[d
         raise ConvertError(f"{path}: GGUF has no token_embd.weight tensor")
     hidden = m.int("embedding_length")
     heads = m.int("attention.head_count")
-    if not hidden or not heads:
-        raise ConvertError(f"{path}: GGUF metadata gives no width or no attention heads")
+    if hidden != tensors["token_embd.weight"].shape[-1] or not heads:
+        raise ConvertError(f"{path}: embedding_length/head_count do not fit token_embd.weight")
     kv_heads = m.int("attention.head_count_kv", heads)
     head_dim = m.int("attention.key_length", hidden // heads)
     if not kv_heads or heads % kv_heads or m.int("attention.value_length", head_dim) != head_dim:
@@ -297,6 +300,7 @@ def model_config(meta: dict, tensors: dict, path: Path, read: Reader) -> tuple[d
         "rope_traditional": False,
         "_tensors": tensors,
     }
+    _check_sizes(c, tensors, path)
     rotary = m.int("rope.dimension_count", head_dim)
     if rotary != head_dim:
         if not spec.partial_rotary or not 0 < rotary < head_dim:
@@ -310,6 +314,23 @@ def model_config(meta: dict, tensors: dict, path: Path, read: Reader) -> tuple[d
     del c["_tensors"]
     _special_ids(meta, c)
     return c, spec
+
+
+MAX_SIZE = 1 << 24  # no real width, head count or FFN size comes near; a damaged file might
+
+
+def _check_sizes(c: dict, tensors: dict, path: Path) -> None:
+    """Sizes that shape the model must be plausible before an mlx-lm model is built from them
+    (a damaged block_count of 2^31 would otherwise build 2^31 layers)."""
+    blocks = {n.split(".")[1] for n in tensors if n.startswith("blk.") and n.count(".") >= 2}
+    if c["num_hidden_layers"] != len(blocks) or blocks != {str(i) for i in range(len(blocks))}:
+        raise ConvertError(
+            f"{path}: block_count is {c['num_hidden_layers']} but the file holds tensors for "
+            f"{len(blocks)} numbered blocks"
+        )
+    for key in ("intermediate_size", "num_attention_heads", "head_dim", "max_position_embeddings"):
+        if not 0 <= c[key] <= (MAX_SIZE << 8 if key == "max_position_embeddings" else MAX_SIZE):
+            raise ConvertError(f"{path}: implausible {key} = {c[key]}")
 
 
 def _special_ids(meta: dict, c: dict) -> None:
