@@ -199,7 +199,8 @@ def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> None:
     _say(f"reading {src}")
     report = gguf_to_hf(src, out, dtype=dtype, keep=q == "keep")
     if q == "keep":
-        _say(report.keep_summary())
+        for line in report.keep_summary().splitlines():
+            _say(line)
 
 
 def convert(

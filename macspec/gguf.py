@@ -20,7 +20,17 @@ import numpy as np
 
 from . import gguf_arch
 from .errors import ConvertError
-from .gguf_read import KEEP_BITS, GGUFFile, TensorInfo, dequantize, read_header, readable_types
+from .gguf_read import (
+    KEEP_BITS,
+    GGUFFile,
+    TensorInfo,
+    decode,
+    dequantize,
+    read_header,
+    read_raw,
+    readable_types,
+    row_chunks,
+)
 from .gguf_read import to_affine as _to_affine
 from .gguf_tokenizer import build_tokenizer
 
@@ -45,7 +55,7 @@ class Report:
     kept: Counter = field(default_factory=Counter)  # GGUF type -> tensors kept packed
     decoded: dict[str, list[str]] = field(default_factory=dict)  # GGUF type -> tensor names
     config: dict = field(default_factory=dict)
-    default_dtype: str = "float16"
+    dtype: str = "float16"  # what the decoded tensors were written as
 
     def keep_summary(self) -> str:
         kept = ", ".join(f"{n} {t}" for t, n in sorted(self.kept.items()))
@@ -54,8 +64,8 @@ class Report:
             if t in ("F32", "F16", "BF16"):
                 continue
             lines.append(
-                f"-q keep: {len(names)} {t} tensors have no MLX block format and were decoded "
-                f"to float: {_collapse(names)}"
+                f"-q keep: {len(names)} {t} tensors have no MLX block format, decoded to "
+                f"{self.dtype}: {_collapse(names)}"
             )
         return "\n".join(lines)
 
@@ -118,6 +128,7 @@ class _ShardWriter:
         mx.save_safetensors(str(path), self.held, metadata={"format": "mlx"})
         self.files.append(path)
         self.held, self.size = {}, 0
+        mx.clear_cache()  # MLX keeps freed buffers for reuse; give them back between shards
 
 
 def _check_types(gf: GGUFFile) -> None:
@@ -130,8 +141,24 @@ def _check_types(gf: GGUFFile) -> None:
             )
 
 
-def _float(values: np.ndarray, dtype: str) -> mx.array:
-    return mx.array(values).astype(_DTYPES[dtype])
+def _decode(path: Path, info: TensorInfo, target: gguf_arch.Target, dtype: str) -> mx.array:
+    """One tensor in `dtype`, decoded in row chunks so that the decoder's float32 temporaries stay
+    small (a 262k-row embedding would otherwise need several copies of itself in float32)."""
+    if target.qk_heads or target.shift:  # the small attention/norm tensors: whole
+        values = gguf_arch.transform(dequantize(path, info), target)
+        return mx.array(values).astype(_DTYPES[dtype])
+    raw = read_raw(path, info)
+    raw = raw.reshape(-1, raw.shape[-1])
+    step = row_chunks(info)
+    parts = []
+    for i in range(0, len(raw), step):
+        part = mx.array(decode(path, info, raw[i : i + step])).astype(_DTYPES[dtype])
+        mx.eval(part)
+        parts.append(part)
+    del raw
+    out = mx.concatenate(parts).reshape(target.shape) if len(parts) > 1 else parts[0]
+    mx.eval(out)
+    return out.reshape(target.shape)
 
 
 def _write_weights(
@@ -157,9 +184,7 @@ def _write_weights(
             layers[module] = {"group_size": GGUF_GROUP_SIZE, "bits": KEEP_BITS[kind]}
             report.kept[kind] += 1
         else:
-            values = gguf_arch.transform(dequantize(gf.path, info), target)
-            writer.add(target.name, _float(values, dtype))
-            del values
+            writer.add(target.name, _decode(gf.path, info, target, dtype))
             report.decoded.setdefault(kind, []).append(gname)
         progress.step(info.nbytes)
     writer.flush()
@@ -196,7 +221,7 @@ def gguf_to_hf(path: Path, out_dir: Path, dtype: str | None = None, keep: bool =
     gf, config, spec, targets = prepare(path)
     tok, tok_config, stops = build_tokenizer(gf.metadata, path, spec.family)
     dtype = dtype or spec.dtype
-    report = Report(config=config, default_dtype=spec.dtype)
+    report = Report(config=config, dtype=dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     quant = _write_weights(gf, targets, out_dir, dtype, keep, report)
     if quant:

@@ -249,22 +249,40 @@ def read_raw(path: Path, info: TensorInfo) -> np.ndarray:
     return raw.reshape(*info.shape[:-1], -1)
 
 
-def dequantize(path: Path, info: TensorInfo) -> np.ndarray:
-    """The tensor as float32, decoded by the gguf package's reference numpy code."""
+CHUNK = 1 << 22  # weights decoded at once: bounds the decoder's float32 temporaries (~100 MB)
+
+
+def row_chunks(info: TensorInfo) -> int:
+    """Rows per chunk when a tensor is decoded piecewise (blocks never cross rows)."""
+    return max(1, CHUNK // info.shape[-1])
+
+
+def _readable(path: Path, info: TensorInfo):
     gguf = _gguf()
     if info.type_name not in readable_types():
         raise ConvertError(
             f"{path}: tensor '{info.name}' is stored as {info.type_name}, which no GGUF reader "
             f"decodes; readable types: {', '.join(readable_types())}"
         )
-    raw = read_raw(path, info)
-    qtype = gguf.GGMLQuantizationType(info.type_id)
+    return gguf.GGMLQuantizationType(info.type_id)
+
+
+def decode(path: Path, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """Rows of raw blocks (2-D uint8) as float32, by the gguf package's reference numpy code."""
+    qtype = _readable(path, info)
     try:
         with np.errstate(all="ignore"):  # damaged scales decode to inf/nan, as in llama.cpp
-            out = gguf.quants.dequantize(raw, qtype)
+            out = _gguf().quants.dequantize(raw, qtype)
     except (ValueError, NotImplementedError, IndexError) as e:
         raise ConvertError(f"{path}: cannot decode tensor '{info.name}' ({e})") from e
-    return np.ascontiguousarray(out.reshape(info.shape), dtype=np.float32)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def dequantize(path: Path, info: TensorInfo) -> np.ndarray:
+    """The whole tensor as float32."""
+    _readable(path, info)
+    raw = read_raw(path, info)
+    return decode(path, info, raw.reshape(-1, raw.shape[-1])).reshape(info.shape)
 
 
 # ------------------------------------------------------------------ blocks MLX shares
@@ -276,11 +294,18 @@ def to_affine(path: Path, info: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.
     """(packed uint32 weight, float16 scales, float16 biases) in MLX's affine layout, group size 32,
     holding exactly the values of the GGUF blocks (the offsets are exact in float16: -128*d, -8*d
     and m are a power-of-two multiple of a float16, or one)."""
-    kind = info.type_name
-    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
-    blocks = read_raw(path, info).reshape(rows, -1)
+    raw = read_raw(path, info)
+    raw = raw.reshape(-1, raw.shape[-1])
+    step = row_chunks(info)
+    parts = [_affine_rows(raw[i : i + step], info.type_name) for i in range(0, len(raw), step)]
+    shape = info.shape[:-1]
+    return tuple(np.concatenate(p).reshape(*shape, -1) for p in zip(*parts, strict=True))
+
+
+def _affine_rows(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rows = len(raw)
     per = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
-    blocks = blocks.reshape(rows, -1, per)
+    blocks = raw.reshape(rows, -1, per)
     d = blocks[..., :2].copy().view(np.float16)[..., 0]
     if kind == "Q8_0":
         q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
@@ -294,13 +319,9 @@ def to_affine(path: Path, info: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.
         else:
             bias = (d.astype(np.float32) * -8).astype(np.float16)
     bits = KEEP_BITS[kind]
-    q = q.reshape(rows, -1).astype(np.uint32)
     per_word = 32 // bits
-    q = q.reshape(rows, -1, per_word) << (np.arange(per_word, dtype=np.uint32) * bits)
-    weight = np.bitwise_or.reduce(q, axis=-1)  # MLX packs element i at bit bits*i, little-endian
-    shape = info.shape[:-1]
-    return (
-        weight.reshape(*shape, -1),
-        d.reshape(*shape, -1).astype(np.float16),
-        bias.reshape(*shape, -1).astype(np.float16),
+    q = q.reshape(rows, -1, per_word).astype(np.uint32) << (
+        np.arange(per_word, dtype=np.uint32) * bits
     )
+    weight = np.bitwise_or.reduce(q, axis=-1)  # MLX packs element i at bit bits*i, little-endian
+    return weight, d.astype(np.float16), bias.astype(np.float16)
