@@ -169,25 +169,46 @@ def test_conversion_streams_below_the_float32_model_size(gguf_path, tmp_path):
     assert peak < float32_bytes, f"peak RSS {peak / 1e9:.2f} GB, float32 model {float32_bytes}"
 
 
-def _long_prompt(tok) -> list[int]:
-    lines = [f"Item {i}: the fox number {i} jumps over {i * 7 % 13} lazy dogs." for i in range(45)]
-    ids = tok.encode(" ".join(lines))
-    assert 512 < len(ids) < 700, len(ids)
-    return ids
+@pytest.fixture(scope="module")
+def past_window(gemma):
+    """A prompt longer than the 512-token window and plain greedy decoding's continuation."""
+    pair = macspec.load(str(gemma), drafter="ngram")
+    lines = [
+        f"Line {i}: the quick brown fox number {i} jumps over {i * 7 % 13} dogs." for i in range(34)
+    ]
+    ids = pair.tokenizer.encode(" ".join(lines))
+    assert 512 < len(ids) < 640, len(ids)
+    return ids, macspec.generate(pair, ids, max_tokens=MAX_TOKENS, speculative=False).tokens
+
+
+MAX_TOKENS = 24
 
 
 @pytest.mark.parametrize("draft", ["ngram", "self"])
-def test_speculative_equals_plain_past_the_sliding_window(gemma, draft):
-    """Greedy speculative decoding (n-gram drafts, or the model drafting for itself) gives plain
-    decoding's tokens on a prompt longer than the 512-token window: rejected drafts must be rewound
-    in the rotating sliding-window caches too."""
-    pair = (
-        macspec.load(str(gemma), drafter="ngram")
-        if draft == "ngram"
-        else macspec.load(str(gemma), str(gemma), drafter="model")
-    )
-    ids = _long_prompt(pair.tokenizer)
-    plain = macspec.generate(pair, ids, max_tokens=20, speculative=False)
-    fast = macspec.generate(pair, ids, max_tokens=20)
+def test_speculative_equals_plain_past_the_sliding_window(gemma, past_window, draft):
+    """Greedy speculative decoding (n-gram drafts, or the model drafting for itself; fixed K so that
+    it drafts whenever it can) gives plain decoding's tokens on a prompt longer than the window:
+    drafts rejected past the window must be rewound in the rotating sliding-window caches too."""
+    ids, plain = past_window
+    if draft == "ngram":
+        pair = macspec.load(str(gemma), drafter="ngram")
+    else:
+        pair = macspec.load(str(gemma), str(gemma), drafter="model")
+    fast = macspec.generate(pair, ids, max_tokens=MAX_TOKENS, num_draft=4, adaptive=False)
     assert fast.stats.speculative_rounds > 0
+    if draft == "ngram":
+        assert fast.stats.accepted < fast.stats.drafted  # some drafts were rejected and rewound
+    assert fast.tokens == plain
+
+
+def test_speculative_equals_plain_within_the_window(gemma):
+    """The control: the same n-gram speculation on a prompt inside the window is exact, so a failure
+    above lies in rewinding the sliding-window caches, not elsewhere."""
+    pair = macspec.load(str(gemma), drafter="ngram")
+    text = " ".join(f"Line {i}: the quick brown fox number {i} jumps." for i in range(8))
+    ids = pair.tokenizer.encode(text)
+    assert len(ids) + MAX_TOKENS < 512
+    plain = macspec.generate(pair, ids, max_tokens=MAX_TOKENS, speculative=False)
+    fast = macspec.generate(pair, ids, max_tokens=MAX_TOKENS, num_draft=4, adaptive=False)
+    assert fast.stats.accepted < fast.stats.drafted  # rejections were rewound
     assert fast.tokens == plain.tokens
