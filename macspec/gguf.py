@@ -36,6 +36,7 @@ from .gguf_tokenizer import build_tokenizer
 
 GGUF_GROUP_SIZE = 32  # every GGUF block format that MLX keeps packed uses 32 weights per block
 SHARD_BYTES = 1 << 30
+PROGRESS_EVERY = 3.0  # seconds between progress lines (a quicker conversion prints none)
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -84,8 +85,8 @@ def _collapse(names: list[str]) -> str:
 class _Progress:
     """Tensors done / total and an ETA on stderr, at most every few seconds."""
 
-    def __init__(self, total_bytes: int, count: int, every: float = 3.0):
-        self.total, self.count, self.every = max(total_bytes, 1), count, every
+    def __init__(self, total_bytes: int, count: int):
+        self.total, self.count, self.every = max(total_bytes, 1), count, PROGRESS_EVERY
         self.done = self.n = 0
         self.start = self.last = time.perf_counter()
 

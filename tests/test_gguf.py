@@ -254,3 +254,23 @@ def test_qwen2_gguf(tmp_path):
     # biases do reach the model: zeroing them changes the logits
     model.model.layers[0].self_attn.q_proj.bias *= 0
     assert not np.allclose(_logits(model), _reference_logits(src, reference), atol=2e-3)
+
+
+def test_progress_and_keep_report(tmp_path, monkeypatch, capsys):
+    """Long conversions print tensors done / total with an ETA; -q keep names what it decoded."""
+    from gguf_arch_helpers import hf_to_gguf as write_case
+    from gguf_arch_helpers import make_model
+
+    from macspec import gguf as mgguf
+
+    src = make_model(tmp_path / "src", "qwen3", seed=1)
+    path = tmp_path / "mixed.gguf"
+    write_case(src, path, "qwen3", qtype="Q5_0")
+    monkeypatch.setattr(mgguf, "PROGRESS_EVERY", 0.0)
+    convert(str(path), output="mixed", q="keep")
+    err = capsys.readouterr().err
+    total = len(mgguf.read_header(path).tensors)
+    assert f"tensors {total}/{total} (100% of the data)" in err and "s left" in err
+    assert "kept as MLX blocks: nothing" in err
+    assert "Q5_0 tensors have no MLX block format, decoded to bfloat16: " in err  # Qwen's dtype
+    assert "blk.*.attn_q.weight (2)" in err
