@@ -137,11 +137,20 @@ def _gemma3(m: Meta, c: dict) -> dict:
 
 
 def _phi3(m: Meta, c: dict) -> dict:
-    extra = {"original_max_position_embeddings": m.int("rope.scaling.original_context_length", 0)}
-    extra["original_max_position_embeddings"] = (
-        extra["original_max_position_embeddings"] or c["max_position_embeddings"]
-    )
-    return extra
+    original = m.int("rope.scaling.original_context_length", 0) or c["max_position_embeddings"]
+    scale = c["max_position_embeddings"] / original
+    # convert_hf_to_gguf stores longrope's attention factor; another value means Phi-3's YaRN
+    # variant, which mlx-lm's phi3 does not implement
+    want = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    if abs(m.float("rope.scaling.attn_factor", want) - want) > 1e-4:
+        raise ConvertError(f"{m.path}: phi3 rope attention factor is not longrope's")
+    return {"original_max_position_embeddings": original}
+
+
+def _olmo2(m: Meta, c: dict) -> dict:
+    if m.int("attention.sliding_window", 0):  # OLMo 3 files say olmo2 but slide a window
+        raise ConvertError(f"{m.path}: olmo2 with a sliding window (OLMo 3) is not supported")
+    return {}
 
 
 def _starcoder2(m: Meta, c: dict) -> dict:
@@ -167,11 +176,9 @@ ARCHS: dict[str, Arch] = {
         dtype="bfloat16",
     ),  # fmt: skip
     "phi3": Arch("phi3", _phi3, rope_scaling=("linear", "longrope"), partial_rotary=True),
-    "olmo2": Arch("olmo2", rope_scaling=_ROPE, dtype="float32"),
+    "olmo2": Arch("olmo2", _olmo2, rope_scaling=_ROPE, dtype="float32"),
     "starcoder2": Arch("starcoder2", _starcoder2, dtype="float32"),
 }
-# llama.cpp writes Mistral, Mixtral and SmolLM files as "llama".
-ALIASES = {"llama": "Llama 1-3, Mistral, Mixtral, SmolLM, TinyLlama"}
 
 
 def supported() -> list[str]:
@@ -220,10 +227,16 @@ def _rope_scaling(m: Meta, spec: Arch, c: dict, tensors: dict, read: Reader) -> 
         for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if m.get(f"rope.scaling.{key}", None) is not None:
                 found[hf] = m.float(f"rope.scaling.{key}")
+        default = 0.1 * math.log(max(found["factor"], 1e-9)) + 1.0  # mlx-lm YarnRoPE's own
+        attn = m.float("rope.scaling.yarn_attn_factor", default)
+        if abs(attn - default) > 1e-4 or m.get("rope.scaling.yarn_log_multiplier", None):
+            raise ConvertError(f"{m.path}: YaRN with its own attention factor is not supported")
     elif kind not in ("none", None):
         raise ConvertError(f"{m.path}: rope scaling type {kind!r} is not supported")
     if found is None or (found.get("factor") == 1.0 and found.get("type") != "yarn"):
         return None
+    if found.get("factor", 1.0) <= 0:
+        raise ConvertError(f"{m.path}: rope scaling factor {found['factor']} is not positive")
     mine = found.get("type") or found["rope_type"]
     if mine not in spec.rope_scaling:
         raise ConvertError(

@@ -41,6 +41,13 @@ CASES = {
         {"model_type": "qwen2_moe", "num_experts": 4, "shared_expert_intermediate_size": 24, **MOE},
     ),
     "qwen3": ("qwen3", {"model_type": "qwen3", "head_dim": 16}),
+    "qwen3-yarn": (
+        "qwen3",
+        {
+            "model_type": "qwen3",
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+        },
+    ),
     "qwen3moe": (
         "qwen3moe",
         {
@@ -205,6 +212,10 @@ def _metadata(w: gguf.GGUFWriter, case: str, c: dict) -> None:
         w.add_uint32("gemma3.attention.sliding_window_pattern", c["sliding_window_pattern"])
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+    if case == "qwen3-yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c["rope_scaling"]["factor"])
+        w.add_rope_scaling_orig_ctx_len(c["rope_scaling"]["original_max_position_embeddings"])
     if case.startswith("phi3"):
         rotary = (
             int(c.get("partial_rotary_factor", 1.0) * c["hidden_size"]) // c["num_attention_heads"]

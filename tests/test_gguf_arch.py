@@ -49,7 +49,7 @@ def test_architecture_logits_match_mlx_lm(case, tmp_path):
     np.testing.assert_allclose(_logits(out), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "phi3-longrope", "gemma2"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "phi3-longrope", "gemma2", "qwen3-yarn"])
 def test_each_transform_matters(case, tmp_path, monkeypatch):
     """Negative controls: leaving out what llama.cpp did (Q/K permutation, Gemma's +1 on norms)
     or what the file says (Gemma 3's sliding-window pattern, Phi-3's longrope factors) changes the
