@@ -266,9 +266,11 @@ def _llama3_scaling(freqs: np.ndarray, c: dict, path: Path) -> dict:
     high 4, original context 8192; anything else is refused rather than guessed)."""
     have = [float(x) for x in freqs.reshape(-1)]
     factor = max(have) if have else 0.0
-    want = _llama3_factors(c["rope_theta"], c["head_dim"], factor, 1.0, 4.0, 8192)
-    close = all(abs(a - b) <= 1e-4 * b for a, b in zip(want, have, strict=False))
-    if len(want) == len(have) and close:
+    close = False
+    if len(have) == c["head_dim"] // 2 and factor > 0:
+        want = _llama3_factors(c["rope_theta"], c["head_dim"], factor, 1.0, 4.0, 8192)
+        close = all(abs(a - b) <= 1e-4 * b for a, b in zip(want, have, strict=True))
+    if close:
         return {
             "rope_type": "llama3",
             "factor": factor,
