@@ -2,8 +2,9 @@
 renamed to mlx-lm's parameters with llama.cpp's converter transforms undone (gguf_arch), a
 config.json, and a tokenizer rebuilt from the metadata (gguf_tokenizer).
 
-Memory: one tensor is decoded at a time and the output goes out in shards of SHARD_BYTES, so the
-peak is about the largest tensor in float32 plus one shard, never the whole model.
+Memory: one tensor is decoded at a time (large ones in row chunks) and the output goes out in
+shards of SHARD_BYTES, so the peak is about one shard plus twice the largest tensor in the output
+dtype, never the whole model in float32.
 """
 
 from __future__ import annotations
