@@ -145,7 +145,7 @@ def test_truncated_and_fake_gguf(source, tmp_path):
     hf_to_gguf(source, gguf, "q8_0")
     data = gguf.read_bytes()
     gguf.write_bytes(data[: len(data) - 1000])
-    with pytest.raises(ConvertError, match="cannot read the GGUF file"):
+    with pytest.raises(ConvertError, match="truncated or damaged"):
         convert(str(gguf), output="t")
     fake = tmp_path / "fake.gguf"
     fake.write_text("not really")
@@ -224,16 +224,21 @@ def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
     assert not np.allclose(_logits(load_model(path)[0]), _logits(load_model(src)[0]), atol=1e-5)
 
 
-@pytest.mark.parametrize("type_id,label", [(6, "Q5_0"), (13, "Q5_K"), (99, "unknown type 99")])
-def test_tensor_types_mlx_cannot_read_are_named(tmp_path, type_id, label):
+@pytest.mark.parametrize(
+    "type_id,message",
+    [(15, "stored as Q8_K, which no GGUF reader decodes; readable: F32"), (99, "unknown type id")],
+)
+def test_tensor_types_no_reader_decodes_are_named(tmp_path, type_id, message):
+    """Q8_K exists only inside llama.cpp's dot products; 99 is no type at all."""
     path = tmp_path / "odd.gguf"
     tensors = {
         "token_embd.weight": (np.zeros((4, 32), np.float32), "f32"),
-        "blk.0.attn_q.weight": (np.zeros((32, 32), np.float32), ("raw", type_id, 32 * 22)),
+        "blk.0.attn_q.weight": (np.zeros((4, 256), np.float32), ("raw", type_id, 4 * 292)),
     }
     gguf_helpers.write_blocks_gguf(path, tensors, {"general.architecture": "llama"})
-    with pytest.raises(ConvertError, match=f"tensor 'blk.0.attn_q.weight' is stored as {label}"):
+    with pytest.raises(ConvertError, match=message) as e:
         convert(str(path), output="odd")
+    assert "blk.0.attn_q.weight" in str(e.value)
     assert _store_listing() == []
 
 
@@ -249,3 +254,23 @@ def test_qwen2_gguf(tmp_path):
     # biases do reach the model: zeroing them changes the logits
     model.model.layers[0].self_attn.q_proj.bias *= 0
     assert not np.allclose(_logits(model), _reference_logits(src, reference), atol=2e-3)
+
+
+def test_progress_and_keep_report(tmp_path, monkeypatch, capsys):
+    """Long conversions print tensors done / total with an ETA; -q keep names what it decoded."""
+    from gguf_arch_helpers import hf_to_gguf as write_case
+    from gguf_arch_helpers import make_model
+
+    from macspec.models import gguf as mgguf
+
+    src = make_model(tmp_path / "src", "qwen3", seed=1)
+    path = tmp_path / "mixed.gguf"
+    write_case(src, path, "qwen3", qtype="Q5_0")
+    monkeypatch.setattr(mgguf, "PROGRESS_EVERY", 0.0)
+    convert(str(path), output="mixed", q="keep")
+    err = capsys.readouterr().err
+    total = len(mgguf.read_header(path).tensors)
+    assert f"tensors {total}/{total} (100% of the data)" in err and "s left" in err
+    assert "kept as MLX blocks: nothing" in err
+    assert "Q5_0 tensors have no MLX block format, decoded to bfloat16: " in err  # Qwen's dtype
+    assert "blk.*.attn_q.weight (2)" in err

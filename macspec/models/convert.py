@@ -191,6 +191,18 @@ def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info:
     (out / INFO_FILE).write_text(json.dumps(info, indent=2))
 
 
+def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> None:
+    """Decode the GGUF into an intermediate directory (in the final dtype, so that nothing is
+    held in float32 but one tensor) and say what -q keep could not keep."""
+    from .gguf import gguf_to_hf
+
+    _say(f"reading {src}")
+    report = gguf_to_hf(src, out, dtype=dtype, keep=q == "keep")
+    if q == "keep":
+        for line in report.keep_summary().splitlines():
+            _say(line)
+
+
 def convert(
     source: str,
     output: str | None = None,
@@ -229,11 +241,8 @@ def convert(
     start = time.perf_counter()
     with staging(name, force=force) as tmp:
         if kind == "gguf":
-            from .gguf import gguf_to_hf
-
-            _say(f"reading {src}")
-            model_src = tmp / ".gguf-raw"  # intermediate HF layout, removed before publishing
-            gguf_to_hf(src, model_src)
+            model_src = tmp / ".gguf-raw"  # intermediate mlx-lm layout, removed before publishing
+            _from_gguf(src, model_src, q, dtype)
         else:
             model_src = src
         config = check_safe(model_src)

