@@ -17,6 +17,7 @@ from .engine.calibrate import calibrate
 from .engine.distributed import guard, make_target
 from .engine.policy import FixedK
 from .engine.round import Round, decode
+from .engine.tree import TreeShape
 from .errors import PromptError
 from .options import GenerationOptions
 from .options import signature as options_signature
@@ -46,6 +47,7 @@ class RoundEvent:
     finish_reason: str | None
     comm_time: float = 0.0  # distributed target: seconds of this round spent communicating
     stats: GenerationStats | None = None
+    rows: int = 1  # ids the target's pass verified (drafts + 1; a token tree: its nodes + 1)
 
     @property
     def speedup(self) -> float | None:
@@ -276,6 +278,7 @@ class GenerationStream:
             finish_reason=finish,
             comm_time=r.comm_time,
             stats=self._counter.stats(),
+            rows=r.rows,
         )
 
     def stats(self) -> GenerationStats:
@@ -292,6 +295,8 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
     adaptive = drafter is not None and opts.adaptive
     if adaptive and pair.costs is None:  # a sharded pair measures at first use
         pair.costs = calibrate(pair)
+    if drafter is not None and opts.tree_nodes:
+        pair.check_trees()
     steps = decode(
         make_target(pair, drafter),
         drafter,
@@ -303,9 +308,19 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         eos_ids=set(pair.eos_token_ids),
         context_length=pair.context_length,
         timing=pair.timing,
-        policy=policy.adaptive(opts.num_draft, pair.costs) if adaptive else FixedK(opts.num_draft),
+        policy=_policy(opts, pair) if adaptive else _fixed(opts),
     )
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
+
+
+def _policy(opts: GenerationOptions, pair: Pair) -> policy.AdaptiveK | policy.AdaptiveTree:
+    return policy.adaptive(opts.num_draft, pair.costs, opts.tree_nodes)
+
+
+def _fixed(opts: GenerationOptions) -> policy.FixedK | policy.FixedTree:
+    if opts.tree_nodes:
+        return policy.FixedTree(TreeShape(opts.num_draft, 2, opts.tree_nodes))
+    return FixedK(opts.num_draft)
 
 
 def generate(

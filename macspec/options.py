@@ -29,6 +29,9 @@ class GenerationOptions:
     min_p: float = _opt(0.0, "drop tokens less likely than min_p x the most likely one")
     repetition_penalty: float = _opt(1.0, "divide the logits of recent tokens by this (1 = off)")
     num_draft: int = _opt(4, "K: the most draft tokens a round (copied n-grams: up to 4 K)")
+    tree_nodes: int = _opt(
+        0, "draft token trees of up to this many candidates (depth K) where they pay; 0 = chains"
+    )
     seed: int | None = _opt(None, "random seed: the same seed gives the same tokens")
     stop: tuple[str, ...] = _opt((), "stop at this string (repeatable)", flag="--stop")
     speculative: bool = _opt(True, "decode plainly, with no drafts", flag="--no-speculation")
@@ -46,6 +49,9 @@ class GenerationOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise bad(name, "must be an integer >= 1")
+        nodes = self.tree_nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= 16:
+            raise bad("tree_nodes", "must be an integer from 0 (chains) to 16")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):

@@ -62,6 +62,19 @@ class Pair:
             return f"{target}, {self.drafter_kind} drafting (no draft model)"
         return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
 
+    def check_trees(self) -> None:
+        """Token trees need a draft model (or feature draft) and full-attention caches."""
+        if self.drafter_kind == "ngram":
+            raise OptionError("tree_nodes needs a draft model: this pair drafts by n-gram only")
+        for role, found in (("target", self.cache_kinds), ("draft", self.draft_cache_kinds)):
+            other = sorted(set(found) - {"attention"})
+            if other:
+                raise OptionError(
+                    f"tree_nodes: the {role}'s {' and '.join(other)} layers cannot verify a "
+                    "token tree (a sliding window or a recurrent state holds one branch); "
+                    "leave tree_nodes=0 for chains, which are exact on them"
+                )
+
     def calibration_note(self) -> str:
         """What load() measured on this machine, and how long it took."""
         if self.costs is None:

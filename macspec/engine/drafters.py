@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import caches
+from . import caches, tree
 from .sampling import sample
 
 # probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
@@ -131,6 +131,38 @@ class ModelDrafter:
     def abort(self, k: int) -> None:
         # Back to the state before propose(); the pending ids stay pending.
         caches.rewind(self.cache, self._base)
+
+    def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
+        """Candidates as a tree (tree.grow): the pending ids, then each level's kept nodes fed
+        in one tree pass; candidates are ranked by the draft's own probabilities."""
+        self._base = caches.length(self.cache)
+        n = len(self.pending)
+        with caches.forward(self.cache, n, rewindable=True):
+            logits = self.model(mx.array(self.pending)[None], cache=self.cache)[0, -1:]
+        self._fed: list[int] = []  # tree nodes in the order their entries follow the pending
+
+        def expand(t: tree.Tree, nodes: list[int]) -> mx.array:
+            mask = tree.attend(t, self._base + n, self._fed + nodes, nodes)
+            root = self._base + n - 1  # the position of the last pending id
+            depths = [t.depths[i] for i in nodes]
+            with tree.tree_pass(self.model, self.cache, mask, depths, root):
+                with caches.forward(self.cache, len(nodes), rewindable=True):
+                    ids = mx.array([t.tokens[i] for i in nodes])[None]
+                    out = self.model(ids, cache=self.cache)[0, :, : self.vocab_size]
+            self._fed += nodes
+            return mx.softmax(out, axis=-1)
+
+        return tree.grow(shape, expand, mx.softmax(logits[:, : self.vocab_size], axis=-1))
+
+    def commit_tree(
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+    ) -> None:
+        # Keep the pending ids and the accepted nodes the draft was fed (a prefix of the path).
+        fed = [t.origin[a] for a in accepted if t.origin[a] in self._fed]
+        n = len(self.pending)
+        rows = [*range(n), *(n + self._fed.index(a) for a in fed)]
+        tree.compact(self.cache, self._base, rows)
+        self.pending = emitted[len(fed) :]
 
 
 # Labels of copied proposals: the length of the context's match, in these buckets (a bucket
@@ -265,3 +297,13 @@ class HybridDrafter:
     def abort(self, k: int) -> None:
         if self.used is self.model:
             self.model.abort(k)
+
+    def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
+        self.used = self.model  # trees come from the model; copies stay chains (label())
+        return self.model.propose_tree(shape)
+
+    def commit_tree(
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+    ) -> None:
+        self.ngram.commit(len(t), len(accepted), emitted)
+        self.model.commit_tree(t, accepted, emitted, hidden)

@@ -30,7 +30,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import ModelError
-from . import caches, kernels
+from . import caches, kernels, tree
 from .drafters import DistFn, Proposal
 from .sampling import sample
 
@@ -237,6 +237,41 @@ class EagleDrafter:
                     break
             state, embeds = out, self.parts.embed(token)[None]
         return Proposal(mx.concatenate(tokens), self._full(mx.concatenate(probs)))
+
+    def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
+        """Candidates as a tree (tree.grow): each kept node's predicted feature feeds its
+        children, a level at a time in one tree pass of the draft layer."""
+        self._offset, self._proposed = self.cache.offset, True
+        self._fed = len(self.pending_ids)
+        if not self.pending_ids:
+            raise ModelError("the eagle draft has no target feature to draft from")
+        state = self.draft.state(mx.concatenate(self.pending_f)[None])
+        embeds = self.parts.embed(mx.array(self.pending_ids, dtype=mx.int32))[None]
+        outs = {-1: self.draft.step(state, embeds, self.cache)[0, -1:]}  # node -> its output
+        context, fed = self.cache.offset, []
+        vocab = self.parts.vocab_ids.tolist()
+
+        def probs(out: mx.array) -> mx.array:
+            return mx.softmax(self.parts.logits(self.draft.decode(out)), axis=-1)
+
+        def expand(t: tree.Tree, nodes: list[int]) -> mx.array:
+            mask = tree.attend(t, context, fed + nodes, nodes)
+            states = mx.concatenate([outs[t.parents[i]] for i in nodes])[None]
+            ids = mx.array([t.tokens[i] for i in nodes], dtype=mx.int32)
+            depths = [t.depths[i] for i in nodes]
+            with tree.tree_pass(self.draft, [self.cache], mask, depths, context - 1):
+                out = self.draft.step(states, self.parts.embed(ids)[None], self.cache)[0]
+            fed.extend(nodes)
+            outs.update({i: out[r : r + 1] for r, i in enumerate(nodes)})
+            return probs(out)
+
+        return tree.grow(shape, expand, probs(outs[-1]), vocab)
+
+    def commit_tree(
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+    ) -> None:
+        # The drafted rows go; the target's features of the kept ids are queued (as commit).
+        self.commit(len(t), len(accepted), emitted, hidden)
 
     def commit(
         self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None

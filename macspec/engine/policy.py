@@ -12,6 +12,7 @@ from itertools import pairwise
 from typing import ClassVar, Protocol
 
 from .drafters import COPY_PRIORS
+from .tree import Tree, TreeShape
 
 # A drafter's grade of its next proposal, from the context alone (the n-gram match length);
 # None = ungraded (a draft model); 0 = nothing to propose.
@@ -53,6 +54,29 @@ class Costs:
             if k <= k1:
                 return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
         return t1 + max(t1 - t0, 0.0) / (k1 - k0) * (k - k1)
+
+
+@dataclass
+class FixedTree:
+    """Always a token tree of this shape for the draft model's proposals (copied n-grams: a
+    chain of the tree's depth): for comparisons and tests."""
+
+    shape: TreeShape
+
+    @property
+    def max_k(self) -> int:
+        return self.shape.max_k
+
+    def next_k(self, label: Label = None) -> int | TreeShape:
+        if label == 0:
+            return 0
+        return self.shape if label is None else self.shape.depth
+
+    def observe(self, k: int, accepted: int) -> None:
+        pass
+
+    def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
+        pass
 
 
 @dataclass
@@ -207,7 +231,84 @@ class AdaptiveK:
 COPY_FACTOR = 4
 
 
-def adaptive(num_draft: int, costs: Costs) -> AdaptiveK:
+def adaptive(num_draft: int, costs: Costs, tree_nodes: int = 0) -> AdaptiveK | AdaptiveTree:
     """The default policy: K up to num_draft for model drafts, copies up to COPY_FACTOR times
-    that, each copy graded by its match length from its measured prior."""
-    return AdaptiveK(num_draft, costs, copy_max=COPY_FACTOR * num_draft, priors=COPY_PRIORS)
+    that, each copy graded by its match length from its measured prior; with `tree_nodes`,
+    token trees of up to that many candidates where they are expected to pay."""
+    chain = AdaptiveK(num_draft, costs, copy_max=COPY_FACTOR * num_draft, priors=COPY_PRIORS)
+    if not tree_nodes:
+        return chain
+    shapes = tuple(TreeShape(num_draft, width, tree_nodes) for width in (2, 3))
+    return AdaptiveTree(chain, shapes)
+
+
+@dataclass
+class _Speed:
+    """Decaying totals of what one tree shape's rounds emitted and took."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+
+
+@dataclass
+class AdaptiveTree:
+    """AdaptiveK, which also weighs token trees for the draft model's proposals.
+
+    A tree of shape s is priced, before it has run, like a chain of its depth that pays the
+    calibrated pass over all its rows (no credit for the extra candidates: trees must earn it);
+    once run, by the tokens per second its recent rounds measured (decaying by DECAY a round).
+    The better of the best chain and the best tree is drafted; each shape is tried again every
+    PROBE_EVERY model rounds so a change (a paragraph the draft knows) is noticed. Copies and
+    the decision to speculate at all stay AdaptiveK's."""
+
+    chain: AdaptiveK
+    shapes: tuple[TreeShape, ...]
+    speed: dict = field(default_factory=dict)  # shape -> _Speed
+    since: dict = field(default_factory=dict)  # shape -> model rounds since it last ran
+    _last: TreeShape | None = None
+
+    DECAY: ClassVar[float] = 0.9
+    PROBE_EVERY: ClassVar[int] = 32
+
+    @property
+    def max_k(self) -> int:
+        return max(self.chain.max_k, *(s.max_k for s in self.shapes))
+
+    def __post_init__(self) -> None:
+        # The first probe of each shape comes after a few model rounds, not PROBE_EVERY.
+        self.since = {s: self.PROBE_EVERY - 8 for s in self.shapes}
+
+    def tree_speed(self, s: TreeShape) -> float:
+        seen = self.speed.get(s)
+        if seen is not None and seen.rounds > 0.5:
+            return seen.tokens / seen.seconds
+        c = self.chain.costs
+        tokens = self.chain.arm(None).expected_tokens(s.depth)
+        return tokens / (s.depth * c.draft_step + c.pass_time(s.max_nodes))
+
+    def next_k(self, label: Label = None) -> int | TreeShape:
+        self._last = None
+        k = self.chain.next_k(label)
+        if label is not None or k == 0:
+            return k
+        for s in self.shapes:
+            self.since[s] += 1
+        due = [s for s in self.shapes if self.since[s] > self.PROBE_EVERY]
+        best = max(self.shapes, key=self.tree_speed)
+        if due or self.tree_speed(best) > self.chain.expected_speed(k):
+            self._last = due[0] if due else best
+            self.since[self._last] = 0
+            return self._last
+        return k
+
+    def observe(self, k: int, accepted: int) -> None:
+        self.chain.observe(k, accepted)
+
+    def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
+        if self._last is None:
+            return
+        seen = self.speed.setdefault(self._last, _Speed())
+        seen.tokens = self.DECAY * seen.tokens + len(path) + 1
+        seen.seconds = self.DECAY * seen.seconds + seconds
+        seen.rounds = self.DECAY * seen.rounds + 1

@@ -22,6 +22,7 @@ from . import caches
 from .drafters import DistFn, Drafter, prefill
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
+from .tree import TreeShape, fit, tree_round
 
 
 @dataclass
@@ -32,13 +33,14 @@ class Round:
     rejected: list[int]  # drafts thrown away
     emitted: list[int]  # ids added to the output this round (after stops)
     target_token: int | None  # the id the target sampled (correction or bonus), if emitted
-    num_draft: int  # drafts proposed (0 = plain decoding step)
+    num_draft: int  # drafts proposed along a path (a tree: its depth; 0 = a plain step)
     draft_time: float
     verify_time: float
     round_time: float
     plain_step_time: float  # current estimate of one plain target step on this machine
     finish_reason: str | None  # "stop", "length", "context" or None
     prefill_time: float = 0.0  # prompt processing, reported with the first round
+    rows: int = 1  # ids the target's pass verified (a chain: drafts + 1; a tree: its nodes + 1)
     comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
 
 
@@ -188,6 +190,7 @@ def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
         probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
         return probs[:, :-1]
 
+    dist.needs_history = opts.repetition_penalty != 1.0  # rows depend on the ids before them
     return dist
 
 
@@ -288,13 +291,24 @@ def decode(
     while True:
         room = min(max_tokens - generated, context_length - len(history))
         # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
-        k = 0
+        k: int | TreeShape = 0
         if drafter is not None and generated > 0:
-            k = min(policy.next_k(drafter.label()), room - 1)
+            k = policy.next_k(drafter.label())
+            k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
         key, subkey = mx.random.split(key)
         dist = make_dist(opts, history)
         t0 = perf_counter()
-        if k > 0:
+        rows = 0
+        if isinstance(k, TreeShape):
+            t, path, token, draft_time, verify_time = tree_round(
+                target, drafter, history[-1], k, dist, subkey
+            )
+            policy.observe_tree(t, path, perf_counter() - t0)
+            # As a chain: the accepted path, then the candidates where the target diverged.
+            below = path[-1] if path else -1
+            drafts = [t.tokens[i] for i in path] + [t.tokens[i] for i in t.children(below)]
+            n, rows = len(path), len(t) + 1
+        elif k > 0:
             drafts, n, token, draft_time, verify_time = speculative_round(
                 target, drafter, history[-1], k, dist, subkey
             )
@@ -323,7 +337,8 @@ def decode(
             rejected=drafts[n:],
             emitted=emitted,
             target_token=token if len(emitted) == n + 1 else None,
-            num_draft=len(drafts),
+            num_draft=max(t.depths, default=0) if rows else len(drafts),
+            rows=rows or (len(drafts) + 1 if drafts else 1),
             draft_time=draft_time,
             verify_time=verify_time,
             round_time=round_time,

@@ -41,8 +41,16 @@ from .bench_report import (
 )
 from .prompts import KINDS, Prompt, builtin_prompts, load_prompts
 
-METHODS = ("mlx_lm", "mlx_lm_spec", "macspec", "macspec_adaptive", "macspec_ngram", "macspec_plain")
-_NEEDS_DRAFT = ("mlx_lm_spec", "macspec", "macspec_adaptive")
+METHODS = (
+    "mlx_lm",
+    "mlx_lm_spec",
+    "macspec",
+    "macspec_tree",
+    "macspec_adaptive",
+    "macspec_ngram",
+    "macspec_plain",
+)
+_NEEDS_DRAFT = ("mlx_lm_spec", "macspec", "macspec_tree", "macspec_adaptive")
 _PER_K = ("mlx_lm_spec", "macspec", "macspec_ngram")
 
 
@@ -50,6 +58,7 @@ _PER_K = ("mlx_lm_spec", "macspec", "macspec_ngram")
 class Method:
     method: str
     num_draft: int = 0  # K; 0 for plain decoding
+    tree_nodes: int = 0  # the most candidates of a token tree (macspec_tree, adaptive)
 
     @property
     def label(self) -> str:
@@ -57,13 +66,17 @@ class Method:
             "mlx_lm": "mlx-lm plain",
             "mlx_lm_spec": "mlx-lm spec",
             "macspec": "macspec",
+            "macspec_tree": "macspec tree",
             "macspec_adaptive": "macspec adaptive",
             "macspec_ngram": "macspec n-gram",
             "macspec_plain": "macspec plain",
         }
         name = names[self.method]
+        if self.method == "macspec_tree":
+            return f"{name} depth {self.num_draft}, <={self.tree_nodes} nodes"
         if self.method in ("macspec_adaptive", "macspec_ngram"):  # adaptive K; copies run longer
-            return f"{name} K<={self.num_draft} (copies<={COPY_FACTOR * self.num_draft})"
+            trees = f", trees<={self.tree_nodes}" if self.tree_nodes else ""
+            return f"{name} K<={self.num_draft} (copies<={COPY_FACTOR * self.num_draft}{trees})"
         return f"{name} K={self.num_draft}" if self.method in _PER_K else name
 
 
@@ -73,6 +86,7 @@ class Method:
 # What each macspec method sets besides the run's own options (GenerationOptions fields).
 _OPTIONS: dict[str, dict[str, Any]] = {
     "macspec": {"adaptive": False},
+    "macspec_tree": {"adaptive": False},
     "macspec_adaptive": {},
     "macspec_ngram": {},
     "macspec_plain": {"speculative": False},
@@ -119,17 +133,13 @@ class Runner:
             temperature=temperature,
             seed=seed,
             num_draft=max(m.num_draft, 1),
+            tree_nodes=m.tree_nodes,
             **_OPTIONS[m.method],
         )
         draft = verify = 0.0
         first = True
         for ev in stream_generate(self.pair_for(m.method), ids, **opts.to_dict()):
-            c.round(
-                len(ev.emitted),
-                len(ev.accepted) + len(ev.rejected),
-                len(ev.accepted),
-                time.perf_counter(),
-            )
+            c.round(len(ev.emitted), ev.num_draft, len(ev.accepted), time.perf_counter(), ev.rows)
             if not first:
                 draft += ev.draft_time
                 verify += ev.verify_time
@@ -260,7 +270,11 @@ def load_pairs(target: str | None, draft: str | None, methods: list[str]) -> dic
 
 
 def plan_methods(
-    methods: list[str], ks: list[int], pairs: dict[str, Any]
+    methods: list[str],
+    ks: list[int],
+    pairs: dict[str, Any],
+    trees: list[int] = (),
+    adaptive_trees: int = 0,
 ) -> tuple[list[Method], list[dict[str, str]]]:
     """The runs to make, and the methods that cannot run here with the reason."""
     base = pairs["model"]
@@ -272,6 +286,13 @@ def plan_methods(
         why["mlx_lm_spec"] = f"the draft ({base.drafter_kind}) is not a model mlx-lm runs"
     elif "recurrent" in {**base.cache_kinds, **base.draft_cache_kinds}:
         why["mlx_lm_spec"] = "mlx-lm refuses speculation on recurrent layers (ArraysCache)"
+    if _has_drafter(base):
+        try:
+            base.check_trees()
+        except OptionError as e:
+            why["macspec_tree"] = str(e)
+    else:
+        why["macspec_tree"] = "no draft model loaded (use --draft)"
     if "default" in pairs and not _has_drafter(pairs["default"]):
         why["macspec_adaptive"] = "no draft model loaded (use --draft)"
     plan: list[Method] = []
@@ -281,8 +302,10 @@ def plan_methods(
             skipped.append({"method": name, "reason": why[name]})
         elif name in _PER_K:
             plan += [Method(name, k) for k in ks]
+        elif name == "macspec_tree":
+            plan += [Method(name, max(ks), n) for n in trees]
         elif name == "macspec_adaptive":
-            plan.append(Method(name, max(ks)))
+            plan.append(Method(name, max(ks), adaptive_trees))
         else:
             plan.append(Method(name))
     if BASELINE not in methods:
@@ -311,6 +334,8 @@ def bench(
     max_tokens: int = 128,
     temperature: str | Sequence[float] = "0,0.7",
     num_draft: str | Sequence[int] = "2,4,6",
+    tree_nodes: str | Sequence[int] = "4,8",
+    adaptive_tree_nodes: int = 0,
     repeats: int = 3,
     methods: str | Sequence[str] | None = None,
     seed: int = 0,
@@ -321,6 +346,7 @@ def bench(
     """Run the benchmark; returns the result dict that is also written to OUTPUT/bench.json."""
     temps = _numbers(temperature, "temperature", float, 0, "0,0.7")
     ks = _numbers(num_draft, "num_draft", int, 1, "2,4,6")
+    trees = _numbers(tree_nodes, "tree_nodes", int, 1, "4,8") if tree_nodes != "" else []
     method_names = _names(methods, METHODS, "methods")
     if max_tokens < 2 or repeats < 1:
         raise OptionError("max_tokens must be >= 2 and repeats >= 1")
@@ -331,7 +357,7 @@ def bench(
     pairs = load_pairs(target, draft, method_names)
     pair = pairs["model"]
     runner = Runner(pairs, max_tokens)
-    plan, skipped = plan_methods(method_names, ks, pairs)
+    plan, skipped = plan_methods(method_names, ks, pairs, trees, adaptive_tree_nodes)
     for s in skipped:
         say(f"skipping {s['method']}: {s['reason']}")
 
@@ -361,6 +387,8 @@ def bench(
         "max_tokens": max_tokens,
         "temperatures": temps,
         "num_draft": ks,
+        "tree_nodes": trees,
+        "adaptive_tree_nodes": adaptive_tree_nodes,
         "repeats": repeats,
         "seed": seed,
     }
@@ -476,6 +504,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", default="0,0.7", help="comma-separated, e.g. 0,0.7")
     p.add_argument("--num-draft", default="2,4,6", help="draft lengths K, e.g. 2,4,6")
+    p.add_argument(
+        "--tree-nodes",
+        default="4,8",
+        help="token trees (depth: the largest K), e.g. 4,8; '' = none",
+    )
+    p.add_argument(
+        "--adaptive-tree-nodes",
+        type=int,
+        default=0,
+        help="let the adaptive row weigh trees of up to this many nodes (0 = chains)",
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--methods", help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--seed", type=int, default=0)

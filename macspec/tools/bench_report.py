@@ -32,6 +32,7 @@ class RunRecord:
     decode_tokens: int = 0  # tokens after the first target pass
     decode_time: float = 0.0  # seconds after the first target pass
     passes: int = 0  # target forward passes after the first
+    rows: int = 0  # ids those passes verified (a chain's drafts + 1, a tree's nodes + 1)
     drafted: int = 0
     accepted: int = 0
     spec_rounds: int = 0
@@ -51,7 +52,7 @@ class Recorder:
         self.first_at: float | None = None
         self.last_at = 0.0
 
-    def round(self, emitted: int, drafted: int, accepted: int, now: float) -> None:
+    def round(self, emitted: int, drafted: int, accepted: int, now: float, rows: int = 0) -> None:
         rec = self.rec
         rec.tokens += emitted
         if drafted:
@@ -68,6 +69,7 @@ class Recorder:
             self.first_at = now
         else:
             rec.passes += 1
+            rec.rows += rows or drafted + 1
             rec.decode_tokens += emitted
         self.last_at = now
 
@@ -155,6 +157,7 @@ def summarise(
                 "time_split": split,
                 "peak_memory_bytes": max(r.peak_memory for r in recs),
                 "target_passes_per_s": statistics.median(passes_s) if passes_s else 0.0,
+                "rows_per_pass": sum(r.rows for r in recs) / max(1, sum(r.passes for r in recs)),
                 "weight_read_gbs": weight_gbs,
                 "bandwidth_fraction": weight_gbs / bandwidth_gbs if bandwidth_gbs else None,
             }
@@ -196,7 +199,7 @@ def format_table(result: dict[str, Any]) -> str:
     for temp in meta["temperatures"]:
         out.append(f"\ntemperature {temp}")
         head = f"{'method':<{width}}{'tok/s median (min-max)':>25}"
-        head += f"{'speedup':>9}{'accept':>8}{'len':>6}{'round':>7}"
+        head += f"{'speedup':>9}{'accept':>8}{'len':>6}{'rows':>6}{'round':>7}"
         head += "".join(f"{k[:8]:>9}" for k in kinds)
         head += f"{'draft/verify/other':>20}{'peak MB':>9}{'weights GB/s':>14}"
         out.append(head)
@@ -206,7 +209,7 @@ def format_table(result: dict[str, Any]) -> str:
             line = f"{r['label']:<{width}}{tok:>25}{_fmt(r['speedup'], 'x'):>9}"
             line += (
                 f"{_fmt(r['acceptance_rate'], '', 2):>8}{_fmt(r['mean_accepted_length'], '', 2):>6}"
-                f"{_fmt(r['round_cost'], 'x'):>7}"
+                f"{_fmt(r.get('rows_per_pass'), '', 1):>6}{_fmt(r['round_cost'], 'x'):>7}"
             )
             for k in kinds:
                 cell = find_row(result, temp, r["label"], k)
