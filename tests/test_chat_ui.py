@@ -177,7 +177,8 @@ async def test_escape_stops_at_once_and_the_next_message_works(chat_pair, monkey
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*"hi", "enter")
         for _ in range(3000):  # until a few rounds are on screen (bounded, never a hang)
-            if app.reply is not None and app.reply.stats.rounds >= 3:
+            stats = app.reply.stats if app.reply is not None else None
+            if stats is not None and stats.rounds >= 3:
                 break
             await pilot.pause(0.01)
         await pilot.press("escape")

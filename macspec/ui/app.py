@@ -193,6 +193,8 @@ class ChatApp(App):
             self._add_message(Text(f"system: {self.system}"), "system")
         self._show_stats(None)
         self._show_settings()
+        if self.pair.calibration_time and self.timings:  # load() measured the machine: say so
+            self._status(self.pair.calibration_note())
         self.query_one("#prompt", Input).focus()
         self.set_interval(0.2, self._expire_rejected)
 

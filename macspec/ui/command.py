@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..cli.common import add_pair_args, generation_options, load_pair
+from ..cli.common import add_pair_args, announce, generation_options, load_pair
 
 
 def register(subparsers: Any) -> None:
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if plain:
         from .plain import run_plain
 
+        print(announce(pair), file=sys.stderr)
         return run_plain(pair, options, system=args.system, prompt=args.prompt)
     from .app import create_app
 
