@@ -14,6 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from ..errors import CacheError
+from .rewindable import Rewindable
 
 
 class _Active(threading.local):
@@ -60,7 +61,7 @@ class _Segment:
         )
 
 
-class RecurrentCache(ArraysCache):
+class RecurrentCache(Rewindable, ArraysCache):
     """mlx-lm's ArraysCache with a token count and the records that make it rewindable."""
 
     def __init__(self, size: int) -> None:
@@ -116,16 +117,6 @@ class RecurrentCache(ArraysCache):
             mx.eval([s for s in state if s is not None])  # the replay belongs to this round
             self.cache, self.offset = state, length
         self.segments = None
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        if not self.can_rewind_to(self.offset - n):
-            return 0
-        self.rewind_to(self.offset - n)
-        return n
 
 
 class _Recorded:

@@ -7,9 +7,10 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from ..errors import CacheError
+from .rewindable import Rewindable
 
 
-class WindowKVCache(_BaseCache):
+class WindowKVCache(Rewindable, _BaseCache):
     """Sliding-window keys and values in a ring of `window + max_step - 1` slots.
 
     Position p lives in slot p % capacity. The query at position q attends to positions
@@ -132,16 +133,6 @@ class WindowKVCache(_BaseCache):
                 "were overwritten"
             )
         self.offset = length
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        if not self.can_rewind_to(self.offset - n):
-            return 0
-        self.offset -= n
-        return n
 
     def size(self) -> int:
         return min(self.offset, self.window)
