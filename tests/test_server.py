@@ -9,22 +9,17 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api
-from macspec.server.app import create_app
-from macspec.server.command import _bind
-from macspec.server.scheduler import Scheduler
+from macspec.server.command import serving
 
 GREEDY = {"max_tokens": 40, "temperature": 0.0}
 QUESTION = [{"role": "user", "content": "the cat sat on the mat"}]
@@ -41,26 +36,6 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(dirs):
     return macspec.load(*dirs)
-
-
-@contextmanager
-def serving(pair, **options):
-    """The app on a free loopback port, uvicorn in a thread (as `macspec serve` runs it)."""
-    scheduler = Scheduler(pair, options.pop("parallel", 4))
-    sock = _bind("127.0.0.1", 0)
-    config = uvicorn.Config(create_app(pair, scheduler, **options), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        while not server.started:
-            assert thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        scheduler.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,10 @@ import argparse
 import ipaddress
 import socket
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..cli.common import add_pair_args, announce, generation_options, load_pair
@@ -103,6 +107,36 @@ def _server(config: Any, scheduler: Any) -> Any:
             getattr(self, "_captured_signals", []).clear()
 
     return Server(config)
+
+
+@contextmanager
+def serving(
+    pair: Any, host: str = "127.0.0.1", port: int = 0, parallel: int = 4, **app: Any
+) -> Iterator[str]:
+    """The server in a thread of this process (tests, benchmarks); yields its base URL. `app`:
+    create_app's options (api_key, defaults, max_body)."""
+    import uvicorn
+
+    from .app import create_app
+    from .scheduler import Scheduler
+
+    scheduler = Scheduler(pair, parallel)
+    sock = _bind(host, port)
+    config = uvicorn.Config(create_app(pair, scheduler, **app), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="macspec-serve")
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        scheduler.close()
+        server.should_exit = True
+        thread.join()
+        scheduler.shutdown()
 
 
 def _bind(host: str, port: int) -> socket.socket:
