@@ -461,7 +461,8 @@ def _run(args: argparse.Namespace) -> int:
         from ..pair import load
         from .serve_bench import run
 
-        run(load(args.target, args.draft), args.turns, args.max_tokens, args.output)
+        pair = load(args.target, args.draft)
+        run(pair, args.turns, args.max_tokens, args.output, args.repeats)
         return 0
     skip = ("func", "command", "serve", "turns")
     bench(**{k: v for k, v in vars(args).items() if k not in skip})

@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import statistics
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -90,18 +92,29 @@ def concurrent_clients(
     }
 
 
-def run(pair: Any, turns: int, max_tokens: int, output: str | None) -> dict[str, Any]:
+def _median_runs(pair: Any, turns: int, max_tokens: int, cache: bool, repeats: int) -> list:
+    """time_to_first_token `repeats` times (a fresh cache each), each turn's median TTFT: the
+    machine is shared, and one busy moment should not make a row."""
+    runs = [time_to_first_token(pair, turns, max_tokens, cache) for _ in range(repeats)]
+    turns_ = zip(*runs, strict=True)
+    return [{**rows[0], "ttft": statistics.median(r["ttft"] for r in rows)} for rows in turns_]
+
+
+def run(
+    pair: Any, turns: int, max_tokens: int, output: str | None, repeats: int = 3
+) -> dict[str, Any]:
     kept = pair.prompt_cache
     try:
-        without = time_to_first_token(pair, turns, max_tokens, cache=False)
-        with_cache = time_to_first_token(pair, turns, max_tokens, cache=True)
+        without = _median_runs(pair, turns, max_tokens, False, repeats)
+        with_cache = _median_runs(pair, turns, max_tokens, True, repeats)
         pair.prompt_cache = kept
         clients = [concurrent_clients(pair, n, 8, max_tokens) for n in (1, 4)]
     finally:
         pair.prompt_cache = kept
     result = {
         "pair": pair.describe(),
-        "machine": f"{platform.machine()}, {platform.system()}",
+        "machine": f"{platform.machine()}, {platform.system()}, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f} at the end",
         "ttft": [
             {
                 **a,
@@ -121,7 +134,7 @@ def run(pair: Any, turns: int, max_tokens: int, output: str | None) -> dict[str,
 
 def report(result: dict[str, Any]) -> str:
     lines = [
-        f"{result['pair']}",
+        f"{result['pair']}; {result['machine']}",
         "",
         "| turn | prompt tokens | cached | TTFT without cache | TTFT with cache |",
         "| ---: | ---: | ---: | ---: | ---: |",
