@@ -196,6 +196,8 @@ def test_bad_completions_oversized_bodies_and_unknown_routes(url):
     r = httpx.post(url + "/v1/chat/completions", content=big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert httpx.get(url + "/v1/nothing").status_code == 404
+    unset = {"messages": QUESTION, "max_tokens": 2, "n": None, "logprobs": None, "seed": None}
+    assert httpx.post(url + "/v1/chat/completions", json=unset).status_code == 200  # null = unset
     assert httpx.get(url + "/v1/models/gpt-4o").status_code == 404
 
 

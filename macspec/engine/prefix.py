@@ -188,14 +188,17 @@ class PromptCache:
     max_entries: int = MAX_ENTRIES
     min_step: int = MIN_STEP
     _entries: OrderedDict = field(default_factory=OrderedDict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Reentrant: save() sums nbytes under it. Other threads (a server's /health) read too.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values())
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values())
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
 
     def clear(self) -> None:
         with self._lock:

@@ -290,11 +290,14 @@ def decode(
     if prompt_cache is not None:
         max_step = max(max_step, prompt_cache.min_step)  # window rings that rewind further
         kept = prompt_cache.restore(prompt, drafter, max_step)
-    target.start(prompt, max_step, kept.target if kept else None)
-    if drafter is not None and kept is not None:
-        drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
-    elif drafter is not None:
-        drafter.start(prompt, target.hidden, max_step)
+    if kept is not None:
+        target.start(prompt, max_step, kept.target)
+        if drafter is not None:
+            drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
+    else:  # (a sharded target's start takes no cache: it has no prompt cache)
+        target.start(prompt, max_step)
+        if drafter is not None:
+            drafter.start(prompt, target.hidden, max_step)
     if prompt_cache is not None and prompt_cache.wants_checkpoint(target.cache):
         prompt_cache.save(prompt, target.cache, drafter)
     prefill_time = perf_counter() - t0

@@ -157,6 +157,10 @@ class _Server:
             first = await self._next(job, request)
             if isinstance(first, BaseException):
                 return error_response(first)
+            if first is END:  # submitted while the server was stopping
+                return error_response(
+                    HTTPError("the server is shutting down", 503, kind="server_error")
+                )
             if req.stream:
                 events = self._events(job, req, len(ids), first)
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -94,7 +94,7 @@ class Request:
 def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any]) -> Request:
     """A checked Request from a JSON body; HTTPError names the first bad field."""
     for name, allowed in _OFF.items():
-        if name in data and data[name] not in allowed:
+        if data.get(name) is not None and data[name] not in allowed:
             raise HTTPError(
                 f"{name}={data[name]!r} is not supported by this server",
                 param=name,
