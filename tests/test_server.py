@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -256,3 +257,31 @@ def test_a_signal_ends_the_stream_and_the_server_cleanly(dirs, sig):
     assert last["choices"][0]["finish_reason"] == "length"
     assert "terminate called" not in rest and "Traceback" not in rest
     assert "stopped" in rest
+
+
+def test_only_loopback_hosts_go_without_a_warning():
+    from macspec.server.command import _loopback
+
+    assert all(_loopback(h) for h in ("127.0.0.1", "127.8.0.1", "::1", "localhost"))
+    assert not any(_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
+
+
+def test_a_taken_port_is_a_message_not_a_traceback(dirs, capsys):
+    from macspec import cli
+
+    with _bind_taken() as port:
+        assert cli.main(["serve", "--target", str(dirs[0]), "--port", str(port)]) == 2
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+@contextmanager
+def _bind_taken():
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
