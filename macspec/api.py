@@ -75,6 +75,7 @@ class GenerationStats:
     tokens_per_second: float  # generated_tokens / total_time
     plain_step_time: float  # measured seconds of one plain target step
     seed: int
+    cached_tokens: int = 0  # prompt ids restored from the prompt cache (engine/prefix.py)
 
     @property
     def speedup(self) -> float | None:
@@ -113,6 +114,7 @@ class _StatsCounter:
         self.rounds = self.spec_rounds = self.spec_emitted = self.generated = 0
         self.draft_time = self.verify_time = self.total_time = self.prefill_time = 0.0
         self.plain_step_time = 0.0
+        self.cached_tokens = 0
         self.drafted_at: list[int] = []
         self.accepted_at: list[int] = []
 
@@ -120,6 +122,7 @@ class _StatsCounter:
         self.rounds += 1
         self.generated += emitted
         self.prefill_time += r.prefill_time
+        self.cached_tokens += r.cached_tokens
         self.draft_time += r.draft_time
         self.verify_time += r.verify_time
         self.total_time += r.round_time
@@ -155,6 +158,7 @@ class _StatsCounter:
             tokens_per_second=self.generated / self.total_time if self.total_time else 0.0,
             plain_step_time=self.plain_step_time,
             seed=self.seed,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -213,12 +217,17 @@ def stream_generate(
     num_draft, seed, stop, speculative, adaptive)."""
     opts = GenerationOptions.from_kwargs(**options)
     ids = prompt_ids(pair, prompt, messages)
+    check_length(pair, ids)
+    return _stream(pair, ids, opts)
+
+
+def check_length(pair: Pair, ids: Sequence[int]) -> None:
+    """PromptError unless the prompt leaves room in the context for an answer."""
     if len(ids) >= pair.context_length:
         raise PromptError(
             f"the prompt has {len(ids)} tokens but the model's context holds "
             f"{pair.context_length}: shorten it"
         )
-    return _stream(pair, ids, opts)
 
 
 class GenerationStream:
@@ -309,6 +318,7 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         context_length=pair.context_length,
         timing=pair.timing,
         policy=_policy(opts, pair) if adaptive else _fixed(opts),
+        prompt_cache=pair.prompt_cache if pair.group is None else None,
     )
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
 

@@ -398,3 +398,40 @@ async def test_conversation_follows_the_answer(chat_pair):
         assert conversation.scroll_y == 0
         await send(app, pilot, "again")  # a new message brings the end back into view
         assert 0 < conversation.max_scroll_y == conversation.scroll_y
+
+
+# --------------------------------------------------------------------------- prompt cache
+
+
+def fresh_text(pair, history, **options) -> str:
+    kept, pair.prompt_cache = pair.prompt_cache, None
+    try:
+        return expected_text(pair, history, **options)
+    finally:
+        pair.prompt_cache = kept
+
+
+@aio
+async def test_the_next_message_reads_only_its_new_tokens(chat_pair):
+    chat_pair.prompt_cache.clear()
+    app = create_app(chat_pair, **OPTS40, timings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(app, pilot, "hello there")
+        await send(app, pilot, "and once more")
+        first, second = (reply.stats for reply, _ in app._replies)
+        assert first.cached_tokens == 0
+        assert first.prompt_tokens < second.cached_tokens < second.prompt_tokens
+        assert app.history[-1]["content"] == fresh_text(chat_pair, app.history[:-1], **OPTS40)
+
+
+def test_plain_mode_reuses_the_prompt_cache_too(chat_pair):
+    chat_pair.prompt_cache.clear()
+    history = [{"role": "user", "content": "the cat sat"}]
+    first = answer(chat_pair, history, OPTS40, io.StringIO(), color=False)
+    history += [
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "on the mat"},
+    ]
+    second = answer(chat_pair, history, OPTS40, io.StringIO(), color=False)
+    assert first.stats.prompt_tokens < second.stats.cached_tokens
+    assert second.text == fresh_text(chat_pair, history, **OPTS40)

@@ -66,5 +66,7 @@ def test_the_test_detects_a_broken_cache_rewind(arch_pair, monkeypatch):
     arch, pair = arch_pair
     expected = exact_joint(pair, PROMPT, DEPTH, **OPTIONS)
     BROKEN[arch](monkeypatch)  # after load: the load-time probe would refuse the broken rewind
+    # Every sample on the broken caches it makes, none restored from the good ones kept before.
+    monkeypatch.setattr(pair, "prompt_cache", None)
     counts = sample_prefixes(pair, PROMPT, DEPTH, N, num_draft=2, adaptive=False, **OPTIONS)
     assert chi_square(expected, counts) < 1e-5

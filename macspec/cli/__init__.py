@@ -16,6 +16,7 @@ from ..errors import MacspecError
 COMMANDS = {
     "generate": "macspec.cli.generate",
     "chat": "macspec.ui.command",
+    "serve": "macspec.server.command",
     "check": "macspec.models.compat",
     "convert": "macspec.models.convert",
     "models": "macspec.models.catalog",

@@ -27,6 +27,23 @@ class Proposal:
     probs: mx.array | None  # (k, V) distributions they were drawn from; None = point masses
 
 
+@dataclass
+class DraftState:
+    """What a drafter keeps of its context, for the prompt cache (engine/prefix.py): its model
+    cache (None: nothing kept, the state is rebuilt from the ids), the context positions it
+    can resume at most (past its cache: `extra`), and how many ids past a position its state
+    reads (EAGLE pairs each position with the next id). A draft model `catches_up` by reading
+    the ids after its state itself; EAGLE reads the target's features, so it resumes where the
+    target does."""
+
+    kind: str
+    cache: list | None
+    length: int
+    lookahead: int = 0
+    extra: Any = None
+    catches_up: bool = False  # it reads the ids itself: may resume behind the target
+
+
 class Drafter(Protocol):
     name: str
     # True when the drafter reads the target's hidden states (then `hidden` below is given).
@@ -57,6 +74,10 @@ class Drafter(Protocol):
 
     def abort(self, k: int) -> None:
         """Undo a proposal of k tokens whose round failed, so the next round starts clean."""
+
+    # Optional, for the prompt cache: `state_kind` (None: nothing kept), `snapshot()` between
+    # rounds (its live state; prefix.py copies it), and `resume(state, prompt, n, hidden,
+    # max_step)`: start() from a state restored to the first n ids, `hidden` for the rest.
 
 
 def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = 512) -> None:
@@ -89,8 +110,26 @@ class ModelDrafter:
 
     def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         # A proposal feeds the pending ids (up to 2) and then its drafts one by one.
-        self.cache = caches.make_cache(self.model, max_step + 1)
-        prefill(self.model, self.cache, prompt[:-1])
+        self.resume(None, prompt, 0, hidden, max_step)
+
+    state_kind = "model"
+
+    def snapshot(self) -> DraftState:
+        return DraftState(self.state_kind, self.cache, caches.length(self.cache), catches_up=True)
+
+    def resume(
+        self,
+        state: DraftState | None,
+        prompt: list[int],
+        n: int,
+        hidden: mx.array | None = None,
+        max_step: int = 1,
+    ) -> None:
+        if state is None:  # nothing kept: the whole prompt
+            self.cache, n = caches.make_cache(self.model, max_step + 1), 0
+        else:
+            self.cache = state.cache
+        prefill(self.model, self.cache, prompt[n:-1])
         self.pending = prompt[-1:]
 
     def label(self) -> None:
@@ -208,6 +247,11 @@ class NgramDrafter:
         self.history, self.index = [], {}
         self._extend(prompt)
 
+    state_kind = None  # the index is rebuilt from the ids: cheap next to any model's prefill
+
+    def resume(self, state, prompt, n, hidden=None, max_step=1) -> None:
+        self.start(prompt)
+
     def _extend(self, ids: list[int]) -> None:
         h = self.history
         for t in ids:
@@ -271,6 +315,17 @@ class HybridDrafter:
 
     def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         self.model.start(prompt, hidden, max_step)
+        self.ngram.start(prompt)
+
+    @property
+    def state_kind(self) -> str | None:
+        return getattr(self.model, "state_kind", None)
+
+    def snapshot(self) -> DraftState | None:
+        return self.model.snapshot() if self.state_kind is not None else None
+
+    def resume(self, state, prompt, n, hidden=None, max_step=1) -> None:
+        self.model.resume(state, prompt, n, hidden, max_step)
         self.ngram.start(prompt)
 
     def label(self) -> int | None:

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import ModelError
 from . import caches, kernels, tree
-from .drafters import DistFn, Proposal
+from .drafters import DistFn, DraftState, Proposal
 from .sampling import sample
 
 WEIGHTS = "model.safetensors"  # the store lists a draft dir like a model: config.json + weights
@@ -194,11 +194,37 @@ class EagleDrafter:
             self.pending_ids += ids
 
     def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
-        self.cache = KVCache()
-        self.pending_f, self.pending_ids = [], []
+        self.resume(None, prompt, 0, hidden, max_step)
+
+    state_kind = "eagle"
+
+    def snapshot(self) -> DraftState:
+        """The cache and the pending features (positions cache.offset.. of the context)."""
+        features = mx.concatenate(self.pending_f) if self.pending_f else None
+        held = self.cache.offset + len(self.pending_ids)
+        extra = (features, list(self.pending_ids))
+        return DraftState(self.state_kind, [self.cache], held, lookahead=1, extra=extra)
+
+    def resume(
+        self,
+        state: DraftState | None,
+        prompt: list[int],
+        n: int,
+        hidden: mx.array | None = None,
+        max_step: int = 1,
+    ) -> None:
+        """Start from `state` holding the first n positions; `hidden`: the target's features of
+        positions n.. (those it read after them)."""
+        self.cache, self.pending_f, self.pending_ids = KVCache(), [], []
         self._proposed = False
+        if state is not None:
+            self.cache = state.cache[0]
+            features, ids = state.extra
+            kept = n - self.cache.offset  # positions past the cache: from its pending features
+            if kept > 0:
+                self.pending_f, self.pending_ids = [features[:kept]], ids[:kept]
         # Prompt position t pairs the target's feature f_t with the id x_{t+1}.
-        self._queue(hidden, prompt[1:])
+        self._queue(hidden, prompt[n + 1 :])
 
     def _full(self, small: mx.array) -> mx.array:
         """(rows, vocab_size) probabilities from rows over the draft's ids (0 elsewhere)."""

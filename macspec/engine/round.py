@@ -21,6 +21,7 @@ from ..errors import CacheError
 from . import caches
 from .drafters import DistFn, Drafter, prefill
 from .policy import FixedK, Policy
+from .prefix import PromptCache
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 from .tree import TreeShape, fit, tree_round
 
@@ -41,6 +42,7 @@ class Round:
     finish_reason: str | None  # "stop", "length", "context" or None
     prefill_time: float = 0.0  # prompt processing, reported with the first round
     rows: int = 1  # ids the target's pass verified (a chain: drafts + 1; a tree: its nodes + 1)
+    cached_tokens: int = 0  # prompt ids the prompt cache held (not read again), first round
     comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
 
 
@@ -83,12 +85,14 @@ class Target:
         # (positions, (len(taps) + 1) * hidden_size) of the last forward pass
         self.hidden: mx.array | None = None
 
-    def start(self, prompt: list[int], max_step: int = 1) -> None:
+    def start(self, prompt: list[int], max_step: int = 1, cache: list | None = None) -> None:
         """Prefill all but the prompt's last id; later passes of up to `max_step` ids can be
-        taken back (caches.make_cache)."""
-        self.cache = caches.make_cache(self.model, max_step)
+        taken back (caches.make_cache). `cache`: one already holding the prompt's first ids
+        (the prompt cache's); only the rest is read, and `hidden` covers only them."""
+        self.cache = cache if cache is not None else caches.make_cache(self.model, max_step)
+        done = caches.length(self.cache) if cache is not None else 0
         if self.keep_hidden:
-            body, chunks = prompt[:-1], []
+            body, chunks = prompt[done:-1], []
             for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
                 ids = mx.array(body[i : i + 512])
                 with caches.forward(self.cache, ids.size):
@@ -96,7 +100,7 @@ class Target:
                 mx.eval(chunks[-1])
             self.hidden = mx.concatenate(chunks) if chunks else None
         else:
-            prefill(self.model, self.cache, prompt[:-1])
+            prefill(self.model, self.cache, prompt[done:-1])
 
     @property
     def offset(self) -> int:
@@ -273,78 +277,102 @@ def decode(
     context_length: int,
     timing: Timing,
     policy: Policy | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Round]:
     """Yield one Round per target forward pass until a stop. No I/O, no text: ids and seconds.
 
     The first token always comes from a plain step, which also measures what a plain step costs
     now; with no drafter every step is plain. `policy` picks K per round (0 = a plain step)
-    from the drafter's label of its next proposal; without one, K = num_draft every round."""
+    from the drafter's label of its next proposal; without one, K = num_draft every round.
+    `prompt_cache` (engine/prefix.py): start from kept states, and keep the final ones."""
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     t0 = perf_counter()
     max_step = policy.max_k + 1  # the widest pass a round may take back
-    target.start(prompt, max_step)
-    if drafter is not None:
-        drafter.start(prompt, target.hidden, max_step)
+    kept = None
+    if prompt_cache is not None:
+        max_step = max(max_step, prompt_cache.min_step)  # window rings that rewind further
+        kept = prompt_cache.restore(prompt, drafter, max_step)
+    if kept is not None:
+        target.start(prompt, max_step, kept.target)
+        if drafter is not None:
+            drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
+    else:  # (a sharded target's start takes no cache: it has no prompt cache)
+        target.start(prompt, max_step)
+        if drafter is not None:
+            drafter.start(prompt, target.hidden, max_step)
+    if prompt_cache is not None and prompt_cache.wants_checkpoint(target.cache):
+        prompt_cache.save(prompt, target.cache, drafter)
     prefill_time = perf_counter() - t0
     generated = 0
-    while True:
-        room = min(max_tokens - generated, context_length - len(history))
-        # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
-        k: int | TreeShape = 0
-        if drafter is not None and generated > 0:
-            k = policy.next_k(drafter.label())
-            k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
-        key, subkey = mx.random.split(key)
-        dist = make_dist(opts, history)
-        t0 = perf_counter()
-        rows = 0
-        if isinstance(k, TreeShape):
-            t, path, token, draft_time, verify_time = tree_round(
-                target, drafter, history[-1], k, dist, subkey
-            )
-            policy.observe_tree(t, path, perf_counter() - t0)
-            # As a chain: the accepted path, then the candidates where the target diverged.
-            below = path[-1] if path else -1
-            drafts = [t.tokens[i] for i in path] + [t.tokens[i] for i in t.children(below)]
-            n, rows = len(path), len(t) + 1
-        elif k > 0:
-            drafts, n, token, draft_time, verify_time = speculative_round(
-                target, drafter, history[-1], k, dist, subkey
-            )
-            policy.observe(len(drafts), n)
-        else:
-            drafts, n, token, draft_time = [], 0, plain_step(target, history[-1], dist, subkey), 0.0
-            verify_time = perf_counter() - t0
-            timing.observe_plain_step(verify_time)
-            if drafter is not None:
-                drafter.commit(0, 0, [token], target.hidden)
-        round_time = perf_counter() - t0
+    steady = True  # the states hold `history` (less its last id): they may be kept
+    try:
+        while True:
+            room = min(max_tokens - generated, context_length - len(history))
+            # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
+            k: int | TreeShape = 0
+            if drafter is not None and generated > 0:
+                k = policy.next_k(drafter.label())
+                k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
+            key, subkey = mx.random.split(key)
+            dist = make_dist(opts, history)
+            steady = False
+            t0 = perf_counter()
+            rows = 0
+            if isinstance(k, TreeShape):
+                tr, path, token, draft_time, verify_time = tree_round(
+                    target, drafter, history[-1], k, dist, subkey
+                )
+                policy.observe_tree(tr, path, perf_counter() - t0)
+                # As a chain: the accepted path, then the candidates where the target diverged.
+                below = path[-1] if path else -1
+                drafts = [tr.tokens[i] for i in path] + [tr.tokens[i] for i in tr.children(below)]
+                n, rows = len(path), len(tr) + 1
+            elif k > 0:
+                drafts, n, token, draft_time, verify_time = speculative_round(
+                    target, drafter, history[-1], k, dist, subkey
+                )
+                policy.observe(len(drafts), n)
+            else:
+                token = plain_step(target, history[-1], dist, subkey)
+                drafts, n, draft_time = [], 0, 0.0
+                verify_time = perf_counter() - t0
+                timing.observe_plain_step(verify_time)
+                if drafter is not None:
+                    drafter.commit(0, 0, [token], target.hidden)
+            round_time = perf_counter() - t0
 
-        emitted = (drafts[:n] + [token])[:room]
-        history += emitted
-        finish = None
-        hit = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
-        if hit is not None:
-            emitted, finish = emitted[:hit], "stop"  # the EOS id itself is not output
-        elif generated + len(emitted) >= max_tokens:
-            finish = "length"
-        elif len(history) >= context_length:
-            finish = "context"
-        generated += len(emitted)
-        yield Round(
-            accepted=drafts[:n],
-            rejected=drafts[n:],
-            emitted=emitted,
-            target_token=token if len(emitted) == n + 1 else None,
-            num_draft=max(t.depths, default=0) if rows else len(drafts),
-            rows=rows or (len(drafts) + 1 if drafts else 1),
-            draft_time=draft_time,
-            verify_time=verify_time,
-            round_time=round_time,
-            plain_step_time=timing.plain_step or round_time,
-            finish_reason=finish,
-            prefill_time=prefill_time if generated == len(emitted) else 0.0,
-        )
-        if finish:
-            return
+            emitted = (drafts[:n] + [token])[:room]
+            history += emitted
+            steady = True
+            finish = None
+            hit = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+            if hit is not None:
+                emitted, finish = emitted[:hit], "stop"  # the EOS id itself is not output
+            elif generated + len(emitted) >= max_tokens:
+                finish = "length"
+            elif len(history) >= context_length:
+                finish = "context"
+            first = generated == 0
+            generated += len(emitted)
+            yield Round(
+                accepted=drafts[:n],
+                rejected=drafts[n:],
+                emitted=emitted,
+                target_token=token if len(emitted) == n + 1 else None,
+                num_draft=max(tr.depths, default=0) if rows else len(drafts),
+                rows=rows or (len(drafts) + 1 if drafts else 1),
+                draft_time=draft_time,
+                verify_time=verify_time,
+                round_time=round_time,
+                plain_step_time=timing.plain_step or round_time,
+                finish_reason=finish,
+                prefill_time=prefill_time if first else 0.0,
+                cached_tokens=(kept.length if kept else 0) if first else 0,
+            )
+            if finish:
+                return
+    finally:
+        # Finished, or closed between rounds: keep the states for the next prompt.
+        if prompt_cache is not None and steady:
+            prompt_cache.save(history, target.cache, drafter)

@@ -485,8 +485,15 @@ def _write(result: dict[str, Any], output: str | Path | None, charts: bool) -> l
 
 
 def _run(args: argparse.Namespace) -> int:
-    kwargs = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    bench(**kwargs)
+    if args.serve:  # the prompt cache's and the server's own benchmark (serve_bench.py)
+        from ..pair import load
+        from .serve_bench import run
+
+        pair = load(args.target, args.draft)
+        run(pair, args.turns, args.max_tokens, args.output, args.repeats)
+        return 0
+    skip = ("func", "command", "serve", "turns")
+    bench(**{k: v for k, v in vars(args).items() if k not in skip})
     return 0
 
 
@@ -521,4 +528,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output", help="directory for bench.json and the charts (default runs/...)")
     p.add_argument("--no-charts", dest="charts", action="store_false")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="instead: time to first token by conversation turn with and without the prompt "
+        "cache, and `macspec serve`'s tokens/s for 1 and 4 clients (--output: a JSON file)",
+    )
+    p.add_argument("--turns", type=int, default=8, help="--serve: conversation turns")
     p.set_defaults(func=_run)

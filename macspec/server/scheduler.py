@@ -1,0 +1,156 @@
+"""The server's generations, all on one MLX thread: requests wait in a queue, up to `parallel` of
+them run at once, one round each in turn, and every round goes to its request's asyncio queue as
+soon as it is made (so a stream flushes per round and no client waits for another's answer).
+
+Rounds of different requests are not batched into one target pass: each generation keeps its own
+caches and drafter, so interleaving them changes no request's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import GenerationStream, stream_generate
+from ..errors import MacspecError
+from ..mlx_thread import MlxThread
+from ..pair import Pair
+
+END = object()  # the last item of a job's queue after its final event
+
+
+@dataclass
+class Job:
+    ids: list[int]
+    options: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # the client went away: stop at the next round
+    stopped: bool = False  # the server is shutting down: the answer was cut short
+    stream: GenerationStream | None = None
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+
+class Scheduler:
+    """Jobs for the pair, run on `self.mlx`, the process's one MLX thread."""
+
+    def __init__(self, pair: Pair, parallel: int = 4) -> None:
+        self.pair, self.parallel = pair, max(1, parallel)
+        self.mlx = MlxThread()
+        # Reentrant: close() runs from a signal handler, maybe while this thread holds it.
+        self._cond = threading.Condition(threading.RLock())
+        self._pending: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._closing = False
+        self._done: asyncio.Future | None = None
+        self.served = self.failed = self.generated = 0
+        self.drafted = self.accepted = 0
+
+    # -- from the event loop (or a signal handler)
+
+    def start(self) -> None:
+        self._done = self.mlx.run(self._run)
+
+    def submit(self, ids: list[int], options: dict[str, Any]) -> Job:
+        job = Job(ids, options, asyncio.get_running_loop())
+        with self._cond:
+            if self._closing:
+                job.stopped = True
+                job.put(END)
+            else:
+                self._pending.append(job)
+                self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True  # read by the MLX thread before the job's next round
+
+    def close(self) -> None:
+        """Cut every answer short at its next round and stop taking jobs."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    async def wait_closed(self) -> None:
+        self.close()
+        if self._done is not None:
+            await self._done
+
+    def shutdown(self) -> None:
+        """After the event loop: free the MLX thread's state and join it (see MlxThread)."""
+        self.mlx.close()
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            active, queued = len(self._active), len(self._pending)
+        return {
+            "active": active,
+            "queued": queued,
+            "served": self.served,
+            "failed": self.failed,
+            "completion_tokens": self.generated,
+            "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else None,
+        }
+
+    # -- on the MLX thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closing or self._pending or self._active):
+                    self._cond.wait()
+                if self._closing:
+                    jobs = self._active + list(self._pending)
+                    self._active, self._pending = [], deque()
+                    break
+                while self._pending and len(self._active) < self.parallel:
+                    self._active.append(self._pending.popleft())
+                active = list(self._active)
+            finished = [job for job in active if not self._step(job)]
+            with self._cond:
+                self._active = [j for j in self._active if j not in finished]
+        for job in jobs:  # shutting down: end every answer where it is
+            if job.stream is not None:
+                job.stream.close()
+            job.stopped = True
+            job.put(END)
+
+    def _step(self, job: Job) -> bool:
+        """One round of `job`; False once it is over (finished, failed or cancelled)."""
+        if job.cancelled:
+            if job.stream is not None:
+                job.stream.close()
+            return False
+        try:
+            if job.stream is None:
+                job.stream = stream_generate(self.pair, job.ids, **job.options)
+            event = next(job.stream)
+        except StopIteration:
+            job.put(END)
+            return False
+        except Exception as e:  # reported to its client; the server goes on
+            if not isinstance(e, MacspecError):
+                traceback.print_exc()
+            if job.stream is not None:
+                job.stream.close()
+            self.failed += 1
+            job.put(e)
+            return False
+        job.put(event)
+        if event.finish_reason is None:
+            return True
+        stats = event.stats
+        self.served += 1
+        self.generated += stats.generated_tokens
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        job.put(END)
+        return False
