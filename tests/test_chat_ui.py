@@ -316,7 +316,8 @@ def test_cli_one_shot_prompt_error_is_a_message_and_exit_code(short_dirs, capsys
     long = "this message is much longer than the context"
     assert cli.main(["chat", "--target", target, "--draft", draft, "-p", long]) == 1
     captured = capsys.readouterr()
-    assert captured.err.startswith("macspec: error: the prompt has")
+    # stderr: the loaded pair and what load() measured ([macspec] lines), then the one error line
+    assert captured.err.splitlines()[-1].startswith("macspec: error: the prompt has")
     assert "Traceback" not in captured.err
 
 
