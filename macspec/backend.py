@@ -210,9 +210,8 @@ def blas_in_use(libs: list[str] | None = None) -> BlasInfo:
 def openblas_details() -> dict[str, Any] | None:
     """OpenBLAS's kernel set and thread count in this process, or None without OpenBLAS.
 
-    The kernel set decides how cheap a few-row product is: on an AVX-512 CPU OpenBLAS 0.3.21
-    picked Cooperlake kernels and a 5-token SmolLM2 pass cost 1.3x one token, against 1.6x
-    with the AVX2 (Zen/Haswell) kernels of an older CPU. ``OPENBLAS_CORETYPE`` overrides it."""
+    The kernel set decides how cheap a few-row product is (AVX-512 kernels against AVX2 ones:
+    the README's measurements). ``OPENBLAS_CORETYPE`` overrides it."""
     try:
         process = ctypes.CDLL(None)
         corename = process.openblas_get_corename

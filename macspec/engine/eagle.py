@@ -2,13 +2,10 @@
 final hidden state and the next token's embedding, predicts the next hidden state, and turns it
 into tokens through the target's output head (rows cut to the ids the draft may propose).
 
-Why this kind (SmolLM2-135M target, issue 7): a from-scratch small draft (15.7M parameters)
-reached 0.35 top-1 agreement after 124K tokens, far below the ~0.7 that K=4 needs. Reusing the
-target's features, embeddings and head leaves only "feature + next token -> next feature" to learn,
-with 4.2M parameters and a step of ~6% of a target step. Measured here (held-out top-1
-agreement, first / second draft token): 0.30 / 0.19 after 48K tokens, 0.46 / 0.42 after 335K
-tokens with --unroll 2 (0.011 before training); still rising with data, and EAGLE drafts are known
-to reach 0.7-0.8 with more (--tokens in the millions, practical on a GPU).
+Why this kind: reusing the target's features, embeddings and head leaves only "feature + next
+token -> next feature" to learn, with one layer's parameters and a step a small fraction of the
+target's, where a small draft model must learn language from scratch (the README's distill
+section has the measured agreement of both).
 
 Draft position t reads (f_t, e(x_{t+1})), where f_t is the target's hidden state after x_t, and
 outputs g_t ~ f_{t+1}, whose logits predict x_{t+2}. While drafting, g feeds the next position in
@@ -88,8 +85,7 @@ class EagleDraft(nn.Module):
         # Features are standardised with the target's per-dimension mean and spread (set from
         # the training data by init_from_features) and predicted in that space: the target's
         # features hold a few huge, nearly constant dimensions that an RMS norm would let dominate
-        # everything. Measured on SmolLM2: with RMS norms in and out, training stalled near 4%
-        # agreement, predicting one constant distribution.
+        # everything (with RMS norms in and out, training stalled predicting one distribution).
         self.embed_norm = nn.RMSNorm(h, eps=config["rms_norm_eps"])
         if self.feature_layers:
             # Starts as "take the final features", so the draft begins where the one-layer
@@ -247,7 +243,7 @@ class EagleDrafter:
             out = self.draft.step(state, embeds, self.cache)[:, -1:]  # (1, 1, H) standardised
             # q over the draft's own ids only: the other ids have q = 0 whatever the options,
             # and the vocabulary-wide work (softmax, sampling) is the step's biggest cost after
-            # the layer on a CPU (~1 ms of ~3.7 over 49,152 ids).
+            # the layer on a CPU.
             logits = self.parts.logits(self.draft.decode(out)[0])
             drafted = mx.concatenate(tokens) if tokens else None
             q = dist(logits, drafted, i, self.parts.lookup)

@@ -40,8 +40,7 @@ class Costs:
     draft_step: float  # one draft token (a model draft; copied n-gram ids cost nothing)
     extra: float  # verification cost of one more position beyond a plain step (linear model)
     # Measured passes: (k, seconds of one target pass over 1 + k positions). On CPUs the cost is
-    # far from linear in k (SmolLM2-135M, OpenBLAS, 2 cores: 1.20x a plain step for k=1, 1.61x for
-    # k=4, 1.73x for k=7), so a single slope mis-prices both short and long proposals.
+    # far from linear in k (the README's pass costs), so one slope mis-prices short and long ones.
     verify: tuple[tuple[int, float], ...] = ()
 
     def pass_time(self, k: int) -> float:
