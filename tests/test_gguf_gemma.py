@@ -158,7 +158,7 @@ def test_conversion_streams_below_the_float32_model_size(gguf_path, tmp_path):
     # VmHWM, not ru_maxrss: Linux carries the forking parent's peak over exec into ru_maxrss
     code = (
         "import sys; from pathlib import Path; from macspec.models.convert import convert; "
-        "convert(sys.argv[1], output='g'); "
+        "convert(sys.argv[1], output='g', dtype='bfloat16'); "
         "print([l for l in Path('/proc/self/status').read_text().splitlines() "
         "if l.startswith('VmHWM')][0].split()[1])"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import shutil
 import signal
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConvertError, OptionError
-from .store import INFO_FILE, staging, store_root, validate_name
+from .store import INFO_FILE, staging, store_root, validate_name, weights_summary
 
 Q_CHOICES = ("4", "8", "none", "keep")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -203,6 +204,22 @@ def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> None:
             _say(line)
 
 
+def _backend_dtype(kind: str, src: Path) -> str | None:
+    """Full precision on the CPU backend follows backend.choose_weight_format (float32: BLAS
+    products; bfloat16 when float32 would not fit half of memory); elsewhere the source's."""
+    from ..backend import choose_weight_format, detect_backend
+
+    if detect_backend() != "cpu":
+        return None
+    if kind == "gguf":
+        from .gguf_read import read_header
+
+        count = sum(math.prod(t.shape) for t in read_header(src).tensors.values())
+    else:
+        count = weights_summary(src, {})[0]
+    return choose_weight_format(count, backend="cpu").dtype
+
+
 def convert(
     source: str,
     output: str | None = None,
@@ -217,8 +234,9 @@ def convert(
 
     q: "4"/"8" quantize (affine, `group_size`); "none" keeps full precision (dequantizing a
     quantized source); "keep" keeps a source's quantization (e.g. a GGUF's Q4_1/Q8_0 blocks as-is).
-    dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: the source's, else
-    float16). embed_8bit: keep the embeddings and the output head at 8 bits when quantizing.
+    dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: on the CPU backend
+    float32, MLX's fast type there; elsewhere the source's, else float16). embed_8bit: keep the
+    embeddings and the output head at 8 bits when quantizing.
     Returns the new model's directory.
     """
     q = str(q).lower().removesuffix("bit")
@@ -229,12 +247,17 @@ def convert(
     if group_size not in GROUP_SIZES:
         raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
     kind, src = _source_kind(source)
-    name = validate_name(output) if output else _default_name(kind, source, q, dtype)
+    name = validate_name(output) if output else None  # a bad name fails before any download
+    if name is not None and (store_root() / name).exists() and not force:
+        raise ConvertError(f"{store_root() / name} already exists; pass --force to replace it")
+    if kind == "hub":
+        src = download(src, revision)  # into the Hugging Face cache, before touching the store
+    if dtype is None and q == "none":
+        dtype = _backend_dtype(kind, src)
+    name = name or _default_name(kind, source, q, dtype)
     dest = store_root() / name
     if dest.exists() and not force:
         raise ConvertError(f"{dest} already exists; pass --force to replace it")
-    if kind == "hub":
-        src = download(src, revision)  # into the Hugging Face cache, before touching the store
 
     from mlx_lm.utils import load_model, load_tokenizer
 

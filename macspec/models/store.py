@@ -194,7 +194,7 @@ def _safetensors_header(path: Path) -> dict:
         return json.loads(f.read(n))
 
 
-def _weights_summary(path: Path, config: dict) -> tuple[int, str]:
+def weights_summary(path: Path, config: dict) -> tuple[int, str]:
     """(parameter count, bits label) from the safetensors headers, without loading weights."""
     quant = config.get("quantization") or {}
     params, dtypes = 0, {}
@@ -301,7 +301,7 @@ def model_info(path: Path) -> ModelInfo:
     """Facts about one model directory (a broken one is listed with '?' rather than raising)."""
     config = _read_json(path / "config.json")
     try:
-        params, bits = _weights_summary(path, config)
+        params, bits = weights_summary(path, config)
     except (OSError, ValueError, KeyError, struct.error):
         params, bits = 0, "?"
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
