@@ -35,6 +35,11 @@ def enabled() -> bool:
     return _enabled
 
 
+def active() -> bool:
+    """The native products are switched on and built (loaded)."""
+    return _enabled and native.load() is not None
+
+
 def set_enabled(on: bool) -> None:
     """Switch the native products on or off for every switched module (tests, A/B timing)."""
     global _enabled

@@ -9,6 +9,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <sched.h>
 #include <unistd.h>
 
@@ -22,6 +25,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/array.h"
@@ -209,7 +213,8 @@ class Pool {
   }
 
   int nthreads_ = 1;
-  int spin_us_ = 200;
+  // Short: on a 2-core CPU a spinning worker takes the core Python builds the graph on.
+  int spin_us_ = 20;
   pid_t pid_ = 0;
   std::atomic<bool> stop_{false};
   // job generation << 32 | its number of chunks << 16 | the next chunk to claim
@@ -228,12 +233,40 @@ class Pool {
 constexpr int L = 16;  // lanes of one vector (two registers with AVX2, one with AVX-512)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));
-typedef uint8_t vb __attribute__((vector_size(16)));
-typedef uint8_t vbu __attribute__((vector_size(16), aligned(1)));
 typedef int32_t vi __attribute__((vector_size(64)));
 
 static inline vf loadf(const float* p) {
   return *(const vfu*)p;
+}
+
+// 16 bytes widened to 16 int32 lanes (GCC turns __builtin_convertvector into byte-by-byte
+// inserts here, 5x slower than the one instruction).
+static inline vi widen16(const uint8_t* p) {
+  vi r;
+#if defined(__AVX512F__)
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  std::memcpy(&r, &v, sizeof(r));
+#elif defined(__AVX2__)
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  std::memcpy(&r, &a, sizeof(a));
+  std::memcpy((char*)&r + sizeof(a), &b, sizeof(b));
+#else
+  for (int i = 0; i < L; i++) {
+    r[i] = p[i];
+  }
+#endif
+  return r;
+}
+
+// Keeps a loaded vector in a register: without it GCC reloads each weight vector once per row
+// of x (and each row of x once per weight row) instead of once.
+static inline void pin(vf& v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__) && defined(__GNUC__)
+  asm("" : "+w"(v));
+#endif
 }
 
 // One level of hsums(): lanes i and i + w of every vector added, two vectors packed into one.
@@ -268,7 +301,7 @@ static inline int fold_all(vf* v, int count) {
 // out[i] = the sum of v[i]'s lanes for C <= 16 vectors, in at most 15 vector additions. Each
 // sum is taken in the same order (lane i + lane i + 8, then + 4, + 2, + 1) whatever C is.
 template <int C>
-static inline void hsums(vf* v, float* out) {
+__attribute__((always_inline)) static inline void hsums(vf* v, float* out) {
   static_assert(C <= 16);
   vf w[17];
   for (int i = 0; i < C; i++) {
@@ -304,10 +337,14 @@ static void f32_block(
     for (int k = 0; k < KV; k += L) {
       vf wv[R];
       for (int r = 0; r < R; r++) {
+        // The next block's rows, one line per line read: the loads then rarely wait on memory.
+        __builtin_prefetch(w + (size_t)(R + r) * K + k);
         wv[r] = loadf(w + (size_t)r * K + k);
+        pin(wv[r]);
       }
       for (int m = 0; m < MB; m++) {
         vf xv = loadf(x + (size_t)m * K + k);
+        pin(xv);
         for (int r = 0; r < R; r++) {
           acc[m][r] += wv[r] * xv;
         }
@@ -363,6 +400,21 @@ static void f32_dispatch(
 
 template <typename S>
 static inline float to_float(S v) {
+  if constexpr (std::is_same_v<S, mx::bfloat16_t>) {  // the top half of a float32
+    uint16_t bits;
+    std::memcpy(&bits, &v, 2);
+    uint32_t wide = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+  }
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<S, mx::float16_t>) {  // one instruction, not mlx's emulation
+    uint16_t bits;
+    std::memcpy(&bits, &v, 2);
+    return _cvtsh_ss(bits);
+  }
+#endif
   return static_cast<float>(v);
 }
 
@@ -370,7 +422,7 @@ static inline float to_float(S v) {
 // little-endian in uint32 words (4 bits: element 2j in the low and 2j + 1 in the high nibble
 // of byte j). `xq` holds x reordered to match the unpacking (even columns, then odd ones, per
 // 32 columns for 4 bits) and `xs` the sum of x over each group, for the bias term.
-template <int BITS, int G, int MB, typename S>
+template <int BITS, int G, int MB, int R, typename S>
 static void q_block(
     const uint8_t* Wq,
     const S* scales,
@@ -384,55 +436,77 @@ static void q_block(
     int K) {
   const int groups = K / G;
   const size_t row_bytes = (size_t)K * BITS / 8;
-  for (int n = n0; n < n1; n++) {
+  constexpr int GB = G * BITS / 8;  // bytes of one group of one row
+  int n = n0;
+  for (; n + R <= n1; n += R) {
     const uint8_t* w = Wq + (size_t)n * row_bytes;
-    const S* sc = scales + (size_t)n * groups;
-    const S* bi = biases + (size_t)n * groups;
-    vf acc[MB];
+    vf acc[MB][R];
     for (int m = 0; m < MB; m++) {
-      acc[m] = vf{};
+      for (int r = 0; r < R; r++) {
+        acc[m][r] = vf{};
+      }
     }
     for (int g = 0; g < groups; g++) {
-      vf gacc[MB];
+      vf gacc[MB][R];
       for (int m = 0; m < MB; m++) {
-        gacc[m] = vf{};
+        for (int r = 0; r < R; r++) {
+          gacc[m][r] = vf{};
+        }
       }
       const float* xg = xq + (size_t)g * G;
-      if constexpr (BITS == 4) {
-        for (int c = 0; c < G / 32; c++) {
-          vb bytes = *(const vbu*)(w + c * 16);
-          vi wide = __builtin_convertvector(bytes, vi);
-          vf lo = __builtin_convertvector(wide & 15, vf);
-          vf hi = __builtin_convertvector(wide >> 4, vf);
-          for (int m = 0; m < MB; m++) {
-            const float* xm = xg + (size_t)m * K + c * 32;
-            gacc[m] += lo * loadf(xm) + hi * loadf(xm + L);
+      for (int c = 0; c < GB / 16; c++) {
+        const size_t at = (size_t)g * GB + c * 16;
+        vf lo[R], hi[R];
+        for (int r = 0; r < R; r++) {
+          __builtin_prefetch(w + (size_t)(R + r) * row_bytes + at);
+          vi wide = widen16(w + r * row_bytes + at);
+          if constexpr (BITS == 4) {
+            lo[r] = __builtin_convertvector(wide & 15, vf);
+            hi[r] = __builtin_convertvector(wide >> 4, vf);
+            pin(hi[r]);
+          } else {
+            lo[r] = __builtin_convertvector(wide, vf);
           }
+          pin(lo[r]);
         }
-      } else {
-        for (int c = 0; c < G / 16; c++) {
-          vb bytes = *(const vbu*)(w + c * 16);
-          vf q = __builtin_convertvector(__builtin_convertvector(bytes, vi), vf);
-          for (int m = 0; m < MB; m++) {
-            gacc[m] += q * loadf(xg + (size_t)m * K + c * 16);
+        for (int m = 0; m < MB; m++) {
+          const float* xm = xg + (size_t)m * K + c * (BITS == 4 ? 32 : 16);
+          vf x0 = loadf(xm);
+          pin(x0);
+          for (int r = 0; r < R; r++) {
+            gacc[m][r] += lo[r] * x0;
+          }
+          if constexpr (BITS == 4) {
+            vf x1 = loadf(xm + L);
+            pin(x1);
+            for (int r = 0; r < R; r++) {
+              gacc[m][r] += hi[r] * x1;
+            }
           }
         }
       }
-      w += G * BITS / 8;
-      float s = to_float(sc[g]);
-      for (int m = 0; m < MB; m++) {
-        acc[m] += gacc[m] * s;
+      for (int r = 0; r < R; r++) {
+        float s = to_float(scales[(size_t)(n + r) * groups + g]);
+        for (int m = 0; m < MB; m++) {
+          acc[m][r] += gacc[m][r] * s;
+        }
       }
     }
-    float sums[MB];
-    hsums<MB>(acc, sums);
+    float sums[MB * R];
+    hsums<MB * R>(&acc[0][0], sums);
     for (int m = 0; m < MB; m++) {
-      float b = 0.0f;
-      for (int g = 0; g < groups; g++) {
-        b += to_float(bi[g]) * xs[(size_t)m * groups + g];
+      for (int r = 0; r < R; r++) {
+        const S* bi = biases + (size_t)(n + r) * groups;
+        float b = 0.0f;
+        for (int g = 0; g < groups; g++) {
+          b += to_float(bi[g]) * xs[(size_t)m * groups + g];
+        }
+        y[(size_t)m * N + n + r] = sums[m * R + r] + b;
       }
-      y[(size_t)m * N + n] = sums[m] + b;
     }
+  }
+  if (n < n1) {
+    q_block<BITS, G, MB, 1, S>(Wq, scales, biases, xq, xs, y, n, n1, N, K);
   }
 }
 
@@ -455,10 +529,10 @@ static void q_dispatch(
     const float* sm = xs + (size_t)m0 * groups;
     float* ym = y + (size_t)m0 * N;
     switch (M - m0 < 4 ? M - m0 : 4) {
-      case 1: q_block<BITS, G, 1, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      case 2: q_block<BITS, G, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      case 3: q_block<BITS, G, 3, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      default: q_block<BITS, G, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 1: q_block<BITS, G, 1, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 2: q_block<BITS, G, 2, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 3: q_block<BITS, G, 3, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      default: q_block<BITS, G, 4, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
     }
   }
 }
