@@ -182,3 +182,19 @@ def test_nothing_changes_off_the_cpu_backend(monkeypatch):
     assert type(model.model.layers[0].self_attn) is llama.Attention
     x = mx.array([[1.0, 2.0, -mx.inf]])
     assert np.array_equal(np.array(kernels.softmax(x)), np.array(mx.softmax(x, axis=-1)))
+
+
+def test_every_third_layer_starts_evaluating_the_pass(monkeypatch):
+    # The stream computes the first layers while Python builds the rest of the graph.
+    model = _model(llama, num_hidden_layers=7)
+    stock = _decode(model, CHUNKS)
+    kernels.accelerate(model)
+    started = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(a) or real(*a))
+    fast = _decode(model, CHUNKS)
+    assert len(started) == 2 * len(CHUNKS)  # after layers 3 and 6 of every pass
+    for a, b in zip(stock, fast, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
+    with kernels.stock(model):
+        assert type(model.model.layers[2]) is llama.TransformerBlock

@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import native, products
+
 _LOG2E = 1.4426950408889634
 # 2^f on [-0.5, 0.5] (Cephes exp2f): MLX's own exp uses the same polynomial, element by element.
 _EXP2 = (
@@ -226,10 +228,22 @@ def _fast_mlp_call(self, x: mx.array) -> mx.array:
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _switched(cls: type, call) -> type:
+def _switched(cls: type, methods: dict[str, Any]) -> type:
     if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {"__call__": call, "_macspec_stock": cls})
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {**methods, "_macspec_stock": cls})
     return _SUBCLASSES[cls]
+
+
+def _switch_products(module: nn.Module) -> int:
+    """Switch the weight products (linear layers, tied heads) of `module` and its children to
+    the native few-row products (products.py); returns how many."""
+    changed = 0
+    for _, m in module.named_modules():
+        methods = products.METHODS.get(type(m))
+        if methods is not None:
+            m.__class__ = _switched(type(m), methods)
+            changed += 1
+    return changed
 
 
 def _supported() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -259,19 +273,48 @@ def accelerate_layers(layers: list) -> int:
                 attn._macspec_rope = tables[key]
             else:
                 attn._macspec_rope = None
-            attn.__class__ = _switched(type(attn), _fast_attention_call)
+            attn.__class__ = _switched(type(attn), {"__call__": _fast_attention_call})
             hit = True
         if type(mlp) in mlps:
-            mlp.__class__ = _switched(type(mlp), _fast_mlp_call)
+            mlp.__class__ = _switched(type(mlp), {"__call__": _fast_mlp_call})
+            hit = True
+        if isinstance(layer, nn.Module) and _switch_products(layer):
             hit = True
         changed += hit
     return changed
 
 
 def accelerate(model: nn.Module) -> int:
-    """`accelerate_layers` over an mlx-lm model's trunk (`model.model.layers`)."""
+    """`accelerate_layers` over an mlx-lm model's trunk (`model.model.layers`), and the native
+    products for every other weight product (the output head); a quantized half-precision
+    model computes in float32 (products.float32_activations). Returns how many layers changed."""
+    if not on_cpu():
+        return 0
+    if native.load() is not None:
+        products.float32_activations(model)
     trunk = getattr(model, "model", None)
-    return accelerate_layers(list(getattr(trunk, "layers", []) or []))
+    layers = list(getattr(trunk, "layers", []) or [])
+    changed = accelerate_layers(layers)
+    _switch_products(model)
+    for i, layer in enumerate(layers):
+        if isinstance(layer, nn.Module):
+            layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
+            layer._macspec_overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
+    return changed
+
+
+# Every third decoder layer starts evaluating the graph built so far, so that the stream computes
+# while Python builds the rest of the pass (~3 ms of graph building a SmolLM2 pass). Only with
+# the native products: OpenBLAS's threads wait for each other spinning, and a Python thread
+# building beside them on a 2-core CPU made its products several times slower.
+OVERLAP_EVERY = 3
+
+
+def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
+    out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
+    if self._macspec_overlap and isinstance(out, mx.array) and products.active():
+        mx.async_eval(out)
+    return out
 
 
 @contextmanager

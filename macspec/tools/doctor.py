@@ -7,7 +7,10 @@ import json as jsonlib
 import os
 import platform
 import sys
+from pathlib import Path
 from typing import Any
+
+from mlx.utils import tree_flatten
 
 from .. import backend as be
 
@@ -54,8 +57,20 @@ def diagnose() -> dict[str, Any]:
         if backend == "cpu"
         else "mlx's own mx.fast kernels"
     )
+    report["native_products"] = native_products() if backend == "cpu" else None
     report["advice"] = advice(report)
     return report
+
+
+def native_products() -> str:
+    """Whether the weight products of a few rows run macspec's native kernels (built on first
+    use), and on how many threads."""
+    from ..engine import native
+
+    ext = native.load()
+    if ext is None:
+        return f"off: {native.reason}; mlx's own products (BLAS, scalar quantized)"
+    return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to 16 rows)"
 
 
 def advice(report: dict[str, Any]) -> list[str]:
@@ -124,6 +139,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"8 rows/1 row   {report['rows8_over_rows1']:.2f}x the time (near 1 = cheap verification)",
         f"weights        {report['weight_format']['dtype']}: {report['weight_format']['reason']}",
         f"layer kernels  {report['layer_kernels']}",
+        f"products       {report.get('native_products') or 'mlx'}",
     ]
     if "verify_cost" in report:
         v = report["verify_cost"]
@@ -134,8 +150,31 @@ def format_report(report: dict[str, Any]) -> str:
         )
         if split:
             lines.append(f"layers + head  {split}")
+        for n, parts in v.get("breakdown_ms", {}).items():
+            where = ", ".join(f"{p} {ms}" for p, ms in parts.items())
+            lines.append(f"{n} token{'s' if n != '1' else ' '} (ms)  {where}")
+        if "floor_ms" in v:
+            lines.append(
+                f"floor          {v['floor_ms']} ms: {v['weights_mb']} MB of weights at "
+                f"{v['bandwidth_gbs']} GB/s; products {v['native']}"
+            )
     lines += [f"advice         {note}" for note in report["advice"]]
     return "\n".join(lines)
+
+
+def _layer_products(model: Any, head: Any) -> list[tuple[Any, int]]:
+    """(module, input width) of every weight product of the decoder layers (not the head)."""
+    import mlx.nn as nn
+
+    found = []
+    for _, m in model.named_modules():
+        if m is head:
+            continue
+        if isinstance(m, nn.QuantizedLinear):
+            found.append((m, m.weight.shape[1] * 32 // m.bits))
+        elif isinstance(m, nn.Linear):
+            found.append((m, m.weight.shape[1]))
+    return found
 
 
 def verify_costs(
@@ -144,26 +183,34 @@ def verify_costs(
     """Time of one target forward pass over n new tokens, after a `context`-token prompt.
 
     A pass over K+1 tokens verifies K drafts: the closer its cost is to one token's, the more
-    speculation pays. Where the time goes: the same pass split into the decoder layers and the
-    output head (the vocabulary-wide product, often the largest single matrix). Variants
-    interleave and the minimum is kept, so other load disturbs less."""
+    speculation pays. Where the time goes: Python building the graph, the weight products of
+    the decoder layers and of the output head (each timed alone, same rows, same weights), the
+    rest of the evaluation (attention, norms, elementwise ops, one dispatch per op), and, for a
+    plain step, choosing the token (greedy) and reading it back. Variants interleave and the
+    minimum is kept, so other load disturbs less."""
     import time
 
     import mlx.core as mx
 
     import macspec
 
-    from ..engine import caches
+    from .. import backend as be
+    from ..engine import caches, native
     from ..engine.round import hidden_states, output_head
+    from ..engine.sampling import SamplingOptions, distribution, sample
 
     pair = macspec.load(model)
     target = pair.target
+    head = getattr(target, "lm_head", None) or target.model.embed_tokens
+    products = _layer_products(target, head)
+    width = target.args.hidden_size
     cache = caches.make_cache(target, max(rows))
     prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
     with caches.forward(cache, context):
         mx.eval(target(prompt, cache=cache))
-    parts = ("pass", "layers", "head")
+    parts = ("pass", "layers", "head", "build", "products", "head_alone", "sample")
     best = {(part, n): float("inf") for part in parts for n in rows}
+    greedy, key = SamplingOptions(), mx.random.key(0)
 
     def timed(part: str, n: int, rep: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -179,27 +226,97 @@ def verify_costs(
             # Passes are taken back as a rejected round would be (recurrent layers keep their
             # records); the pass time includes what rewinding costs the next one.
             with caches.forward(cache, n, rewindable=True):
-                timed("pass", n, rep, target, x, cache=cache)
+                logits = timed("pass", n, rep, target, x, cache=cache)
             caches.rewind(cache, context)
             with caches.forward(cache, n, rewindable=True):
                 h = timed("layers", n, rep, hidden_states, target, x[0], cache)
             timed("head", n, rep, output_head, target, h)
             caches.rewind(cache, context)
+            with caches.forward(cache, n, rewindable=True):
+                start = time.perf_counter()
+                lazy = target(x, cache=cache)
+                if rep:
+                    best["build", n] = min(best["build", n], time.perf_counter() - start)
+                mx.eval(lazy)
+            caches.rewind(cache, context)
+            ones = {k: mx.ones((1, n, k)) for k in {k for _, k in products} | {width}}
+            mx.eval(list(ones.values()))
+            timed("products", n, rep, lambda xs: [m(xs[k]) for m, k in products], ones)
+            timed("head_alone", n, rep, output_head, target, ones[width][0])
+            last = logits[0, -1:, : pair.vocab_size]
+            timed("sample", n, rep, lambda v: sample(distribution(v, greedy), key).item(), last)
     one = best["pass", rows[0]]
+    weights = sum(v.nbytes for _, v in tree_flatten(target.parameters()))
+    ms = {k: round(v * 1000, 2) for k, v in best.items()}
+    breakdown = {}
+    for n in rows:
+        rest = ms["pass", n] - ms["build", n] - ms["products", n] - ms["head_alone", n]
+        breakdown[str(n)] = {
+            "build": ms["build", n],
+            "layer products": ms["products", n],
+            "head": ms["head_alone", n],
+            "rest": round(max(rest, 0.0), 2),
+            "sample": ms["sample", n],
+        }
+    bandwidth = be.measure_bandwidth()["best"]
     return {
         "model": str(pair.target_path),
-        "ms": {str(n): round(best["pass", n] * 1000, 2) for n in rows},
+        "ms": {str(n): ms["pass", n] for n in rows},
         "ratio": {str(n): round(best["pass", n] / one, 2) for n in rows},
-        "split_ms": {
-            str(n): {p: round(best[p, n] * 1000, 2) for p in ("layers", "head")} for n in rows
-        },
+        "split_ms": {str(n): {p: ms[p, n] for p in ("layers", "head")} for n in rows},
+        "breakdown_ms": breakdown,
+        "weights_mb": round(weights / 1e6, 1),
+        "bandwidth_gbs": round(bandwidth, 1),
+        # the step if every weight byte were read once at the measured copy bandwidth
+        "floor_ms": round(weights / (bandwidth * 1e9) * 1000, 2),
+        "native": "in use" if native.load() is not None else f"off ({native.reason})",
     }
 
 
-def doctor(json: bool = False, model: str | None = None) -> int:
+BREAKDOWN_COLORS = {
+    "build": "#9e9e9e",
+    "layer products": "#1f77b4",
+    "head": "#6baed6",
+    "rest": "#ff7f0e",
+    "sample": "#2ca02c",
+}
+
+
+def write_chart(costs: dict[str, Any], path: str) -> None:
+    """A stacked bar per row count: where one pass goes, against the bandwidth floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(costs["breakdown_ms"])
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
+    for i, n in enumerate(rows):
+        left = 0.0
+        for part, value in costs["breakdown_ms"][n].items():
+            label = part if i == 0 else None
+            ax.barh(i, value, left=left, color=BREAKDOWN_COLORS[part], label=label)
+            left += value
+        ax.text(left + 0.3, i, f"{costs['ms'][n]:.1f} ms", va="center", fontsize=8)
+    floor = costs["floor_ms"]
+    ax.axvline(floor, color="black", linestyle="--", linewidth=1)
+    ax.text(floor, len(rows) - 0.4, f" weights at {costs['bandwidth_gbs']} GB/s", fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{n} token{'s' if n != '1' else ''}" for n in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("milliseconds (build and products timed alone; rest = pass - those)")
+    ax.set_title(f"One forward pass of {Path(costs['model']).name} (products: {costs['native']})")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def doctor(json: bool = False, model: str | None = None, chart: str | None = None) -> int:
     report = diagnose()
     if model:
         report["verify_cost"] = verify_costs(model)
+        if chart:
+            write_chart(report["verify_cost"], chart)
     print(jsonlib.dumps(report, indent=2) if json else format_report(report))
     sys.stdout.flush()
     return 0
@@ -211,4 +328,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", help="also time one forward pass of this target over 1, 2, 3, 5 and 8 tokens"
     )
-    p.set_defaults(func=lambda args: doctor(json=args.json, model=args.model))
+    p.add_argument("--chart", help="with --model: draw where a pass goes into this PNG file")
+    p.set_defaults(func=lambda args: doctor(json=args.json, model=args.model, chart=args.chart))

@@ -1,0 +1,751 @@
+// Matrix products for a few rows on MLX's CPU backend: y = x @ W.T for float32 W, and for MLX's
+// affine 4- and 8-bit quantized W. One pass over the weights serves every row (verifying K
+// drafts reads them once), split over the cores. Built on the user's machine by
+// macspec/engine/native.py with -march=native; macspec falls back to mlx's own ops without it.
+//
+// Each output y[m, n] is computed in the same order whatever the number of rows and threads, so a
+// plain step and a verification row give bit-identical results for identical inputs.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <sched.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace macspec {
+
+// ---------------------------------------------------------------- a small thread pool
+//
+// A job is a number of chunks that threads claim one at a time, so a worker that is late (its
+// core busy elsewhere) leaves its share to the others instead of holding everyone up. Workers
+// spin briefly between jobs (a decode step calls a product every few microseconds), then sleep
+// on a futex, so an idle process costs nothing.
+
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool pool;
+    pool.check_fork();
+    return pool;
+  }
+
+  int threads() const {
+    return nthreads_;
+  }
+
+  void set_threads(int n) {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    stop_workers();
+    nthreads_ = n < 1 ? 1 : n;
+    start_workers();
+  }
+
+  void set_spin_us(int us) {
+    spin_us_ = us < 0 ? 0 : us;
+  }
+
+  // Runs fn(c) for every chunk c in [0, chunks) and returns when all are done (chunks < 2^16).
+  void run(int chunks, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> lock(run_mutex_, std::try_to_lock);
+    if (!lock.owns_lock() || nthreads_ == 1 || chunks == 1) {  // inline (or another stream
+      for (int c = 0; c < chunks; c++) {                       // holds the pool)
+        fn(c);
+      }
+      return;
+    }
+    job_ = &fn;
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
+    state_.store(gen << 32 | uint64_t(chunks) << 16);  // publishes job_ and done_
+    wake();
+    int mine = claim_all(gen);
+    int spins = 0;
+    while (done_.load(std::memory_order_acquire) + mine < chunks) {
+      if (++spins < 4096) {
+        pause();
+      } else {
+        sched_yield();  // a worker holds a chunk but lost its core
+      }
+    }
+  }
+
+ private:
+  Pool() {
+    nthreads_ = default_threads();
+    start_workers();
+  }
+  ~Pool() {
+    stop_workers();
+  }
+
+  static int default_threads() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+      return CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : 1;
+    }
+    return 1;
+  }
+
+  static inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  // Claims and runs chunks of job `gen` until none is left; returns how many it ran. A claim
+  // is a compare-and-swap on the whole state, so a thread late from an earlier job can
+  // neither take a chunk of the next one unknowingly nor read its size out of date.
+  int claim_all(uint64_t gen) {
+    int ran = 0;
+    uint64_t s = state_.load(std::memory_order_acquire);
+    while (true) {
+      uint64_t chunks = (s >> 16) & 0xffff, next = s & 0xffff;
+      if ((s >> 32) != gen || next >= chunks) {
+        return ran;
+      }
+      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
+        (*job_)((int)next);
+        ran++;
+        s = state_.load(std::memory_order_acquire);
+      }
+    }
+  }
+
+  // Sleeping and waking (seq_cst on both sides: either the waker sees a sleeper, or the
+  // sleeper sees the new job before it waits).
+  void sleep_until_changed(uint64_t seen) {
+    std::unique_lock<std::mutex> lock(sleep_mutex_);
+    sleepers_.fetch_add(1);
+    wake_cv_.wait(lock, [&] { return (state_.load() >> 32) != seen; });
+    sleepers_.fetch_sub(1);
+  }
+
+  void wake() {
+    if (sleepers_.load() > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wake_cv_.notify_all();
+    }
+  }
+
+  void check_fork() {
+    if (pid_ != getpid()) {  // a forked child has no workers: start its own
+      for (auto& t : workers_) {
+        t.detach();
+      }
+      workers_.clear();
+      start_workers();
+    }
+  }
+
+  void start_workers() {
+    pid_ = getpid();
+    stop_ = false;
+    // The generation is read here, not in the new thread: a stop that comes before the thread
+    // runs must still be seen as a change.
+    uint64_t seen = state_.load() >> 32;
+    for (int i = 1; i < nthreads_; i++) {
+      workers_.emplace_back([this, seen] { work(seen); });
+    }
+  }
+
+  void stop_workers() {
+    stop_ = true;
+    state_.fetch_add(uint64_t(1) << 32);
+    wake();
+    for (auto& t : workers_) {
+      if (t.joinable()) {
+        t.join();
+      }
+    }
+    workers_.clear();
+  }
+
+  void work(uint64_t seen) {
+    while (true) {
+      auto start = std::chrono::steady_clock::now();
+      int spins = 0;
+      uint64_t s;
+      while (((s = state_.load(std::memory_order_acquire)) >> 32) == seen) {
+        if ((++spins & 255) == 0 &&
+            std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
+          sleep_until_changed(seen);
+          start = std::chrono::steady_clock::now();
+        }
+        pause();
+      }
+      if (stop_) {
+        return;
+      }
+      seen = s >> 32;
+      int ran = claim_all(seen);
+      if (ran) {
+        done_.fetch_add(ran, std::memory_order_acq_rel);
+      }
+    }
+  }
+
+  int nthreads_ = 1;
+  // Short: on a 2-core CPU a spinning worker takes the core Python builds the graph on.
+  int spin_us_ = 20;
+  pid_t pid_ = 0;
+  std::atomic<bool> stop_{false};
+  // job generation << 32 | its number of chunks << 16 | the next chunk to claim
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> done_{0};  // chunks the workers finished
+  const std::function<void(int)>* job_ = nullptr;
+  std::vector<std::thread> workers_;
+  std::mutex run_mutex_;
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+// ---------------------------------------------------------------- kernels
+
+constexpr int L = 16;  // lanes of one vector (two registers with AVX2, one with AVX-512)
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+static inline vf loadf(const float* p) {
+  return *(const vfu*)p;
+}
+
+// 16 bytes widened to 16 int32 lanes (GCC turns __builtin_convertvector into byte-by-byte
+// inserts here, 5x slower than the one instruction).
+static inline vi widen16(const uint8_t* p) {
+  vi r;
+#if defined(__AVX512F__)
+  __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  std::memcpy(&r, &v, sizeof(r));
+#elif defined(__AVX2__)
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  std::memcpy(&r, &a, sizeof(a));
+  std::memcpy((char*)&r + sizeof(a), &b, sizeof(b));
+#else
+  for (int i = 0; i < L; i++) {
+    r[i] = p[i];
+  }
+#endif
+  return r;
+}
+
+// Keeps a loaded vector in a register: without it GCC reloads each weight vector once per row
+// of x (and each row of x once per weight row) instead of once.
+static inline void pin(vf& v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__) && defined(__GNUC__)
+  asm("" : "+w"(v));
+#endif
+}
+
+// One level of hsums(): lanes i and i + w of every vector added, two vectors packed into one.
+template <int W>
+static inline vf fold(vf a, vf b) {
+  if constexpr (W == 8) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  } else if constexpr (W == 4) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  } else if constexpr (W == 2) {
+    return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+        __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  } else {
+    return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+        __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+}
+
+template <int W>
+static inline int fold_all(vf* v, int count) {
+  if (count & 1) {
+    v[count++] = vf{};  // adding zeros changes no sum
+  }
+  for (int i = 0; i < count / 2; i++) {
+    v[i] = fold<W>(v[2 * i], v[2 * i + 1]);
+  }
+  return count / 2;
+}
+
+// out[i] = the sum of v[i]'s lanes for C <= 16 vectors, in at most 15 vector additions. Each
+// sum is taken in the same order (lane i + lane i + 8, then + 4, + 2, + 1) whatever C is.
+template <int C>
+__attribute__((always_inline)) static inline void hsums(vf* v, float* out) {
+  static_assert(C <= 16);
+  vf w[17];
+  for (int i = 0; i < C; i++) {
+    w[i] = v[i];
+  }
+  int count = fold_all<8>(w, C);
+  count = fold_all<4>(w, count);
+  count = fold_all<2>(w, count);
+  fold_all<1>(w, count);
+  std::memcpy(out, &w[0], sizeof(float) * C);
+}
+
+// Rows [n0, n1) of y = x @ W.T for MB rows of x (K % L tail done in scalar).
+template <int MB, int R>
+static void f32_block(
+    const float* W,
+    const float* x,
+    float* y,
+    int n0,
+    int n1,
+    int N,
+    int K) {
+  const int KV = K - K % L;
+  int n = n0;
+  for (; n + R <= n1; n += R) {
+    vf acc[MB][R];
+    for (int m = 0; m < MB; m++) {
+      for (int r = 0; r < R; r++) {
+        acc[m][r] = vf{};
+      }
+    }
+    const float* w = W + (size_t)n * K;
+    for (int k = 0; k < KV; k += L) {
+      vf wv[R];
+      for (int r = 0; r < R; r++) {
+        // The next block's rows, one line per line read: the loads then rarely wait on memory.
+        __builtin_prefetch(w + (size_t)(R + r) * K + k);
+        wv[r] = loadf(w + (size_t)r * K + k);
+        pin(wv[r]);
+      }
+      for (int m = 0; m < MB; m++) {
+        vf xv = loadf(x + (size_t)m * K + k);
+        pin(xv);
+        for (int r = 0; r < R; r++) {
+          acc[m][r] += wv[r] * xv;
+        }
+      }
+    }
+    float sums[MB * R];
+    hsums<MB * R>(&acc[0][0], sums);
+    for (int m = 0; m < MB; m++) {
+      for (int r = 0; r < R; r++) {
+        float s = sums[m * R + r];
+        for (int k = KV; k < K; k++) {
+          s += w[(size_t)r * K + k] * x[(size_t)m * K + k];
+        }
+        y[(size_t)m * N + n + r] = s;
+      }
+    }
+  }
+  if (n < n1) {
+    f32_block<MB, 1>(W, x, y, n, n1, N, K);
+  }
+}
+
+template <int MB>
+static void f32_rows(const float* W, const float* x, float* y, int n0, int n1, int N, int K) {
+  constexpr int R = MB <= 2 ? 4 : (MB <= 4 ? 3 : 2);
+  f32_block<MB, R>(W, x, y, n0, n1, N, K);
+}
+
+static void f32_dispatch(
+    const float* W,
+    const float* x,
+    float* y,
+    int M,
+    int n0,
+    int n1,
+    int N,
+    int K) {
+  for (int m0 = 0; m0 < M; m0 += 8) {
+    const float* xs = x + (size_t)m0 * K;
+    float* ys = y + (size_t)m0 * N;
+    switch (M - m0 < 8 ? M - m0 : 8) {
+      case 1: f32_rows<1>(W, xs, ys, n0, n1, N, K); break;
+      case 2: f32_rows<2>(W, xs, ys, n0, n1, N, K); break;
+      case 3: f32_rows<3>(W, xs, ys, n0, n1, N, K); break;
+      case 4: f32_rows<4>(W, xs, ys, n0, n1, N, K); break;
+      case 5: f32_rows<5>(W, xs, ys, n0, n1, N, K); break;
+      case 6: f32_rows<6>(W, xs, ys, n0, n1, N, K); break;
+      case 7: f32_rows<7>(W, xs, ys, n0, n1, N, K); break;
+      default: f32_rows<8>(W, xs, ys, n0, n1, N, K); break;
+    }
+  }
+}
+
+template <typename S>
+static inline float to_float(S v) {
+  if constexpr (std::is_same_v<S, mx::bfloat16_t>) {  // the top half of a float32
+    uint16_t bits;
+    std::memcpy(&bits, &v, 2);
+    uint32_t wide = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+  }
+#if defined(__F16C__)
+  if constexpr (std::is_same_v<S, mx::float16_t>) {  // one instruction, not mlx's emulation
+    uint16_t bits;
+    std::memcpy(&bits, &v, 2);
+    return _cvtsh_ss(bits);
+  }
+#endif
+  return static_cast<float>(v);
+}
+
+// Quantized rows: MLX's affine format, w = scale * q + bias per group of `G` columns, q packed
+// little-endian in uint32 words (4 bits: element 2j in the low and 2j + 1 in the high nibble
+// of byte j). `xq` holds x reordered to match the unpacking (even columns, then odd ones, per
+// 32 columns for 4 bits) and `xs` the sum of x over each group, for the bias term.
+template <int BITS, int G, int MB, int R, typename S>
+static void q_block(
+    const uint8_t* Wq,
+    const S* scales,
+    const S* biases,
+    const float* xq,
+    const float* xs,
+    float* y,
+    int n0,
+    int n1,
+    int N,
+    int K) {
+  const int groups = K / G;
+  const size_t row_bytes = (size_t)K * BITS / 8;
+  constexpr int GB = G * BITS / 8;  // bytes of one group of one row
+  int n = n0;
+  for (; n + R <= n1; n += R) {
+    const uint8_t* w = Wq + (size_t)n * row_bytes;
+    vf acc[MB][R];
+    for (int m = 0; m < MB; m++) {
+      for (int r = 0; r < R; r++) {
+        acc[m][r] = vf{};
+      }
+    }
+    for (int g = 0; g < groups; g++) {
+      vf gacc[MB][R];
+      for (int m = 0; m < MB; m++) {
+        for (int r = 0; r < R; r++) {
+          gacc[m][r] = vf{};
+        }
+      }
+      const float* xg = xq + (size_t)g * G;
+      for (int c = 0; c < GB / 16; c++) {
+        const size_t at = (size_t)g * GB + c * 16;
+        vf lo[R], hi[R];
+        for (int r = 0; r < R; r++) {
+          __builtin_prefetch(w + (size_t)(R + r) * row_bytes + at);
+          vi wide = widen16(w + r * row_bytes + at);
+          if constexpr (BITS == 4) {
+            lo[r] = __builtin_convertvector(wide & 15, vf);
+            hi[r] = __builtin_convertvector(wide >> 4, vf);
+            pin(hi[r]);
+          } else {
+            lo[r] = __builtin_convertvector(wide, vf);
+          }
+          pin(lo[r]);
+        }
+        for (int m = 0; m < MB; m++) {
+          const float* xm = xg + (size_t)m * K + c * (BITS == 4 ? 32 : 16);
+          vf x0 = loadf(xm);
+          pin(x0);
+          for (int r = 0; r < R; r++) {
+            gacc[m][r] += lo[r] * x0;
+          }
+          if constexpr (BITS == 4) {
+            vf x1 = loadf(xm + L);
+            pin(x1);
+            for (int r = 0; r < R; r++) {
+              gacc[m][r] += hi[r] * x1;
+            }
+          }
+        }
+      }
+      for (int r = 0; r < R; r++) {
+        float s = to_float(scales[(size_t)(n + r) * groups + g]);
+        for (int m = 0; m < MB; m++) {
+          acc[m][r] += gacc[m][r] * s;
+        }
+      }
+    }
+    float sums[MB * R];
+    hsums<MB * R>(&acc[0][0], sums);
+    for (int m = 0; m < MB; m++) {
+      for (int r = 0; r < R; r++) {
+        const S* bi = biases + (size_t)(n + r) * groups;
+        float b = 0.0f;
+        for (int g = 0; g < groups; g++) {
+          b += to_float(bi[g]) * xs[(size_t)m * groups + g];
+        }
+        y[(size_t)m * N + n + r] = sums[m * R + r] + b;
+      }
+    }
+  }
+  if (n < n1) {
+    q_block<BITS, G, MB, 1, S>(Wq, scales, biases, xq, xs, y, n, n1, N, K);
+  }
+}
+
+template <int BITS, int G, typename S>
+static void q_dispatch(
+    const uint8_t* Wq,
+    const S* scales,
+    const S* biases,
+    const float* xq,
+    const float* xs,
+    float* y,
+    int M,
+    int n0,
+    int n1,
+    int N,
+    int K) {
+  const int groups = K / G;
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = xq + (size_t)m0 * K;
+    const float* sm = xs + (size_t)m0 * groups;
+    float* ym = y + (size_t)m0 * N;
+    switch (M - m0 < 4 ? M - m0 : 4) {
+      case 1: q_block<BITS, G, 1, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 2: q_block<BITS, G, 2, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 3: q_block<BITS, G, 3, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      default: q_block<BITS, G, 4, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+    }
+  }
+}
+
+// Rows per chunk: ~64 KB of weights (a few microseconds), a multiple of 16 rows, and at
+// least four chunks for the threads to share when the matrix allows.
+static inline int chunk_rows(int N, int row_bytes) {
+  int rows = std::max(16, (65536 / std::max(row_bytes, 1)) / 16 * 16);
+  while (rows > 16 && (N + rows - 1) / rows < 4) {
+    rows -= 16;
+  }
+  while ((N + rows - 1) / rows > 65535) {  // the pool counts chunks in 16 bits
+    rows *= 2;
+  }
+  return rows;
+}
+
+// ---------------------------------------------------------------- the primitive
+
+// A row-contiguous float32 copy of x (or x itself), as (rows, K).
+static const float* rows_of(const mx::array& x, std::vector<float>& scratch) {
+  if (x.flags().row_contiguous) {
+    return x.data<float>();
+  }
+  scratch.resize(x.size());
+  const float* src = x.data<float>();
+  for (size_t i = 0; i < x.size(); i++) {
+    scratch[i] = src[mx::elem_to_loc(static_cast<int>(i), x)];
+  }
+  return scratch.data();
+}
+
+class SmallLinear : public mx::UnaryPrimitive {
+ public:
+  SmallLinear(mx::Stream stream, int bits, int group_size)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    for (auto& a : inputs) {
+      if (&a != &inputs[0] && !a.flags().row_contiguous) {
+        throw std::runtime_error("[macspec linear] weights must be row-contiguous");
+      }
+    }
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) {
+      encoder.set_input_array(a);
+    }
+    encoder.set_output_array(out);
+    const int K = inputs[0].shape(-1);
+    const int N = out.shape(-1);
+    const int M = K ? inputs[0].size() / K : 0;
+    float* y = out.data<float>();
+    if (bits_ == 32) {
+      encoder.dispatch([x = inputs[0], W = inputs[1].data<float>(), y, M, N, K]() {
+        std::vector<float> scratch;
+        const float* xr = rows_of(x, scratch);
+        const int rows = chunk_rows(N, K * 4);
+        Pool::get().run((N + rows - 1) / rows, [&](int c) {
+          f32_dispatch(W, xr, y, M, c * rows, std::min(N, (c + 1) * rows), N, K);
+        });
+      });
+      return;
+    }
+    const auto& scales = inputs[2];
+    switch (scales.dtype()) {
+      case mx::float32: dispatch_q<float>(inputs, y, M, N, K, encoder); break;
+      case mx::float16: dispatch_q<mx::float16_t>(inputs, y, M, N, K, encoder); break;
+      case mx::bfloat16: dispatch_q<mx::bfloat16_t>(inputs, y, M, N, K, encoder); break;
+      default: throw std::runtime_error("[macspec linear] unsupported scale type");
+    }
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[macspec linear] CPU only");
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+
+  const char* name() const override {
+    return "MacspecSmallLinear";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const SmallLinear&>(other);
+    return bits_ == o.bits_ && group_size_ == o.group_size_;
+  }
+
+ private:
+  template <typename S>
+  void dispatch_q(
+      const std::vector<mx::array>& inputs,
+      float* y,
+      int M,
+      int N,
+      int K,
+      mx::cpu::CommandEncoder& encoder) {
+    encoder.dispatch([x = inputs[0],
+                      Wq = inputs[1].data<uint8_t>(),
+                      sc = inputs[2].data<S>(),
+                      bi = inputs[3].data<S>(),
+                      y,
+                      M,
+                      N,
+                      K,
+                      bits = bits_,
+                      G = group_size_]() {
+      std::vector<float> scratch;
+      const float* xr = rows_of(x, scratch);
+      // x reordered as the unpacking reads it, and its sum over each group.
+      const int groups = K / G;
+      std::vector<float> xq((size_t)M * K), xs((size_t)M * groups);
+      for (int m = 0; m < M; m++) {
+        const float* src = xr + (size_t)m * K;
+        float* dst = xq.data() + (size_t)m * K;
+        if (bits == 4) {
+          for (int c = 0; c < K; c += 32) {
+            for (int j = 0; j < 16; j++) {
+              dst[c + j] = src[c + 2 * j];
+              dst[c + 16 + j] = src[c + 2 * j + 1];
+            }
+          }
+        } else {
+          std::memcpy(dst, src, sizeof(float) * K);
+        }
+        for (int g = 0; g < groups; g++) {
+          float s = 0.0f;
+          for (int k = 0; k < G; k++) {
+            s += src[g * G + k];
+          }
+          xs[(size_t)m * groups + g] = s;
+        }
+      }
+      const int rows = chunk_rows(N, K * bits / 8);
+      Pool::get().run((N + rows - 1) / rows, [&](int c) {
+        int n0 = c * rows, n1 = std::min(N, (c + 1) * rows);
+        auto* q = xq.data();
+        auto* s = xs.data();
+#define MACSPEC_Q(B, GS) q_dispatch<B, GS, S>(Wq, sc, bi, q, s, y, M, n0, n1, N, K)
+        if (bits == 4 && G == 32) MACSPEC_Q(4, 32);
+        else if (bits == 4 && G == 64) MACSPEC_Q(4, 64);
+        else if (bits == 4 && G == 128) MACSPEC_Q(4, 128);
+        else if (bits == 8 && G == 32) MACSPEC_Q(8, 32);
+        else if (bits == 8 && G == 64) MACSPEC_Q(8, 64);
+        else MACSPEC_Q(8, 128);
+#undef MACSPEC_Q
+      });
+    });
+  }
+
+  int bits_;
+  int group_size_;
+};
+
+static mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device(mx::Device::cpu));
+}
+
+mx::array linear(const mx::array& x, const mx::array& w) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || w.ndim() != 2 ||
+      x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument("[macspec linear] float32 x (..., K) and W (N, K)");
+  }
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(
+      shape, mx::float32, std::make_shared<SmallLinear>(cpu_stream(), 32, 0), {x, w});
+}
+
+mx::array qlinear(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  int K = x.shape(-1);
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || w.ndim() != 2 ||
+      (bits != 4 && bits != 8) ||
+      (group_size != 32 && group_size != 64 && group_size != 128) || K % group_size ||
+      w.shape(1) * 32 / bits != K || scales.shape(0) != w.shape(0) ||
+      scales.shape(1) != K / group_size || biases.shape() != scales.shape() ||
+      biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("[macspec qlinear] unsupported quantized layout");
+  }
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<SmallLinear>(cpu_stream(), bits, group_size),
+      {x, w, scales, biases});
+}
+
+}  // namespace macspec
+
+NB_MODULE(_macspec_cpu, m) {
+  m.doc() = "macspec's CPU matrix products for a few rows (see cpu_linear.cpp)";
+  m.def("linear", &macspec::linear, nb::arg("x"), nb::arg("w"));
+  m.def(
+      "qlinear",
+      &macspec::qlinear,
+      nb::arg("x"),
+      nb::arg("w"),
+      nb::arg("scales"),
+      nb::arg("biases"),
+      nb::arg("group_size"),
+      nb::arg("bits"));
+  m.def("threads", [] { return macspec::Pool::get().threads(); });
+  m.def("set_threads", [](int n) { macspec::Pool::get().set_threads(n); });
+  m.def("set_spin_us", [](int us) { macspec::Pool::get().set_spin_us(us); });
+}

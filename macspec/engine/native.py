@@ -1,0 +1,204 @@
+"""macspec's native CPU products (csrc/cpu_linear.cpp): built on this machine on first use, or
+None, in which case every caller keeps mlx's own ops.
+
+The extension is an MLX primitive: it joins MLX's graph like any op and runs on MLX's CPU stream.
+It is compiled for this CPU (-march=native) with the system C++ compiler (which MLX's own CPU
+`mx.compile` needs as well), against the installed mlx headers and the nanobind version whose
+ABI the mlx wheel was built with, and cached under the macspec cache directory, one file per
+(source, mlx, nanobind, Python, CPU) combination. Building takes 15-60 s once; nothing is
+downloaded. `MACSPEC_NATIVE=0` turns it off; any failure is remembered as the reason and
+reported by `macspec doctor`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import mlx.core as mx
+
+OFF_ENV = "MACSPEC_NATIVE"
+THREADS_ENV = "MACSPEC_NATIVE_THREADS"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_linear.cpp"
+MODULE = "_macspec_cpu"
+
+_module: ModuleType | None = None
+_tried = False
+reason: str | None = None  # why the extension is not in use, when it is not
+
+
+def cache_dir() -> Path:
+    """`$MACSPEC_HOME/native`, else `<platform cache dir>/macspec/native` (beside the model
+    store)."""
+    home = os.environ.get("MACSPEC_HOME")
+    if home:
+        return Path(home).expanduser() / "native"
+    try:
+        import platformdirs
+
+        base = Path(platformdirs.user_cache_dir("macspec", appauthor=False))
+    except ImportError:
+        base = Path.home() / ".cache" / "macspec"
+    return base / "native"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _paths() -> dict[str, str]:
+    import nanobind
+
+    nb = Path(nanobind.__file__).resolve().parent
+    mlx_root = Path(mx.__file__).resolve().parent
+    return {
+        "nb": str(nb),
+        "mlx_include": str(mlx_root / "include"),
+        "mlx_lib": str(mlx_root / "lib"),
+        "python_include": sysconfig.get_paths()["include"],
+    }
+
+
+def _key(cxx: str) -> str:
+    import nanobind
+
+    parts = [
+        SOURCE.read_bytes(),
+        mx.__version__.encode(),
+        nanobind.__version__.encode(),
+        sys.version.encode(),
+        platform.machine().encode(),
+        cxx.encode(),
+        _cpu_flags().encode(),
+    ]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), so that a cache shared by machines builds per CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(cxx: str, out: Path) -> None:
+    p = _paths()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    common = [
+        "-O3",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-DNDEBUG",
+        "-DNB_COMPACT_ASSERTIONS",
+        "-fno-strict-aliasing",
+        f"-I{p['python_include']}",
+        f"-I{p['nb']}/include",
+        f"-I{p['nb']}/ext/robin_map/include",
+    ]
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        nb_obj, ext_obj = Path(tmp, "nanobind.o"), Path(tmp, "ext.o")
+        lib = Path(tmp, MODULE + suffix)
+        steps = [
+            [cxx, "-std=c++17", *common, "-c", f"{p['nb']}/src/nb_combined.cpp", "-o", nb_obj],
+            [
+                cxx,
+                "-std=c++20",
+                "-march=native",
+                *common,
+                "-DNB_DOMAIN=mlx",  # mlx's own bindings' domain: mx.array passes through
+                f"-I{p['mlx_include']}",
+                "-c",
+                SOURCE,
+                "-o",
+                ext_obj,
+            ],
+            [
+                cxx,
+                "-shared",
+                ext_obj,
+                nb_obj,
+                f"-L{p['mlx_lib']}",
+                "-lmlx",
+                f"-Wl,-rpath,{p['mlx_lib']}",
+                "-o",
+                lib,
+            ],
+        ]
+        for cmd in steps:
+            done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{Path(str(cmd[-1])).name}: {done.stderr.strip()[-400:]}")
+        os.replace(lib, out)  # atomic: a concurrent build or reader sees the whole file
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _self_test(ext: ModuleType) -> None:
+    """The products agree with mlx's on this machine, or the extension is not used."""
+    x = mx.random.normal((3, 160), key=mx.random.key(0))
+    w = mx.random.normal((40, 160), key=mx.random.key(1))
+    wq, s, b = mx.quantize(w, group_size=32, bits=4)
+    got = [ext.linear(x, w), ext.qlinear(x, wq, s, b, 32, 4)]
+    want = [x @ w.T, mx.quantized_matmul(x, wq, s, b, group_size=32, bits=4)]
+    for g, r in zip(got, want, strict=True):
+        if not mx.allclose(g, r, rtol=1e-4, atol=1e-3).item():
+            raise RuntimeError("its products differ from mlx's on this machine")
+
+
+def load() -> ModuleType | None:
+    """The extension (built first if needed), or None with `reason` saying why."""
+    global _module, _tried, reason
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get(OFF_ENV, "") == "0":
+        reason = f"{OFF_ENV}=0"
+        return None
+    cxx = _compiler()
+    if platform.system() != "Linux":
+        reason = "only built on Linux (macOS runs Metal, or Accelerate on its CPU)"
+    elif cxx is None:
+        reason = "no C++ compiler (install g++)"
+    elif importlib.util.find_spec("nanobind") is None:
+        reason = "nanobind is not installed (pip install nanobind)"
+    elif not SOURCE.is_file():
+        reason = f"its source is missing from the installed package ({SOURCE.name})"
+    if reason:
+        return None
+    try:
+        path = cache_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            print("macspec: building its CPU kernels for this machine (once)", file=sys.stderr)
+            _build(cxx, path)
+        ext = _load(path)
+        threads = os.environ.get(THREADS_ENV)
+        if threads:
+            ext.set_threads(int(threads))
+        _self_test(ext)
+    except Exception as e:  # a failed build or an ABI mismatch: mlx's ops stay in use
+        reason = f"{type(e).__name__}: {e}"
+        return None
+    _module = ext
+    return ext

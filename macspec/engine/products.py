@@ -1,0 +1,132 @@
+"""Weight products of a few rows on the CPU backend: one pass over the weights for every row.
+
+A decode step or a verification pass multiplies 1 to K+1 rows by every weight matrix. MLX's CPU
+backend hands float32 products to BLAS, whose sgemm packs the weights before multiplying (a
+copy as large as the weights, every call), and runs quantized ones in scalar code on x86 (no SIMD
+there; with float16 activations each multiply-add is emulated). The native extension
+(native.py) streams each weight matrix once for all rows, on every core, from float32 or MLX's
+affine 4/8-bit layout. Off the CPU backend, without the extension, or for more rows than
+`MAX_ROWS` (prompt chunks: BLAS is faster there) mlx's own ops run.
+
+Every row's result is computed in the same order whatever the number of rows, so a plain step
+and a verification pass agree bit for bit on their products.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import native
+
+# Float32 products up to this many rows go to the extension (a verification pass of up to 15
+# drafts); larger ones (prompt chunks) to BLAS. Quantized products always do: mlx's CPU kernel
+# is slower at every size.
+MAX_ROWS = 16
+OFF_ENV = "MACSPEC_NATIVE_PRODUCTS"
+
+_enabled = os.environ.get(OFF_ENV, "") != "0"
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def active() -> bool:
+    """The native products are switched on and built (loaded)."""
+    return _enabled and native.load() is not None
+
+
+def set_enabled(on: bool) -> None:
+    """Switch the native products on or off for every switched module (tests, A/B timing)."""
+    global _enabled
+    _enabled = on
+
+
+def _ext(x: mx.array) -> Any:
+    if not _enabled or x.dtype != mx.float32 or x.ndim == 0:
+        return None
+    return native.load()
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // max(x.shape[-1], 1)
+
+
+def _quantized_ok(m: nn.Module) -> bool:
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.bits in (4, 8)
+        and m.group_size in (32, 64, 128)
+        and m.weight.dtype == mx.uint32
+        and m.get("biases") is not None
+        and m["scales"].dtype in (mx.float32, mx.float16, mx.bfloat16)
+    )
+
+
+def linear_call(self: nn.Linear, x: mx.array) -> mx.array:
+    ext = _ext(x)
+    if ext is not None and self.weight.dtype == mx.float32 and _rows(x) <= MAX_ROWS:
+        y = ext.linear(x, self.weight)
+        return y + self["bias"] if "bias" in self else y
+    return type(self)._macspec_stock.__call__(self, x)
+
+
+def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
+    ext = _ext(x)
+    if ext is not None and _quantized_ok(self):
+        y = ext.qlinear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return y + self["bias"] if "bias" in self else y
+    return type(self)._macspec_stock.__call__(self, x)
+
+
+def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
+    ext = _ext(x)
+    if ext is not None and self.weight.dtype == mx.float32 and _rows(x) <= MAX_ROWS:
+        return ext.linear(x, self.weight)
+    return type(self)._macspec_stock.as_linear(self, x)
+
+
+def quantized_embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    ext = _ext(x)
+    if ext is not None and _quantized_ok(self):
+        return ext.qlinear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+    return type(self)._macspec_stock.as_linear(self, x)
+
+
+# Module class -> the methods its switched class overrides.
+METHODS: dict[type, dict[str, Any]] = {
+    nn.Linear: {"__call__": linear_call},
+    nn.QuantizedLinear: {"__call__": quantized_linear_call},
+    nn.Embedding: {"as_linear": embedding_as_linear},
+    nn.QuantizedEmbedding: {"as_linear": quantized_embedding_as_linear},
+}
+
+
+def float32_activations(model: nn.Module) -> bool:
+    """A quantized model stored in float16/bfloat16 computes in float32 on the CPU backend.
+
+    MLX's CPU backend has no half-precision arithmetic on x86: every elementwise op converts
+    each element, and its quantized product with half activations takes seconds a token. The
+    norms, the embedding's scales (its lookups then return float32) and any unquantized weights
+    become float32; quantized matrices keep their half scales, which the extension reads.
+    Returns whether anything changed. The logits are then the model's computed in float32,
+    for plain and speculative decoding alike."""
+    modules = list(model.named_modules())
+    if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in modules):
+        return False
+    changed = False
+    for _, m in modules:
+        keep = ("scales", "biases") if isinstance(m, nn.QuantizedLinear) else ()
+        for name, value in m.items():
+            if (
+                isinstance(value, mx.array)
+                and value.dtype in (mx.float16, mx.bfloat16)
+                and name not in keep
+            ):
+                m[name] = value.astype(mx.float32)
+                changed = True
+    return changed
