@@ -181,3 +181,25 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     assert all(t["layers"] > 0 and t["head"] > 0 for t in costs["split_ms"].values())
     assert main(["doctor", "--model", str(model)]) == 0
     assert "layers + head  1: " in capsys.readouterr().out
+    # Where one pass goes: each part timed, the rest never negative.
+    for n, parts in costs["breakdown_ms"].items():
+        assert set(parts) == {"build", "layer products", "head", "rest", "sample", "overlap saves"}
+        assert parts["build"] > 0 and parts["layer products"] > 0 and parts["head"] > 0
+        assert parts["rest"] >= 0 and parts["overlap saves"] >= 0, n
+    chart = tmp_path / "pass.png"
+    assert main(["doctor", "--model", str(model), "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
+    """qwen3_5 wraps its decoder (`model.language_model`): pass times, no split, no crash."""
+    from archzoo import make_arch_model
+
+    model = make_arch_model(tmp_path / "q", "qwen3_5")
+    assert main(["doctor", "--json", "--model", str(model)]) == 0
+    costs = json.loads(capsys.readouterr().out)["verify_cost"]
+    assert list(costs["ms"]) == ["1", "2", "3", "5", "8"] and all(costs["ms"].values())
+    assert costs["split_ms"] == {} and costs["breakdown_ms"] == {}
+    assert main(["doctor", "--model", str(model), "--chart", str(tmp_path / "c.png")]) == 0
+    assert "not laid out as an mlx-lm decoder" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()

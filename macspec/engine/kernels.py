@@ -308,11 +308,23 @@ def accelerate(model: nn.Module) -> int:
 # the native products: OpenBLAS's threads wait for each other spinning, and a Python thread
 # building beside them on a 2-core CPU made its products several times slower.
 OVERLAP_EVERY = 3
+_overlap = True
+
+
+@contextmanager
+def serial():
+    """Build each pass whole before evaluating it (doctor times graph building alone)."""
+    global _overlap
+    was, _overlap = _overlap, False
+    try:
+        yield
+    finally:
+        _overlap = was
 
 
 def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
     out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
-    if self._macspec_overlap and isinstance(out, mx.array) and products.active():
+    if _overlap and self._macspec_overlap and isinstance(out, mx.array) and products.active():
         mx.async_eval(out)
     return out
 

@@ -65,11 +65,13 @@ def diagnose() -> dict[str, Any]:
 def native_products() -> str:
     """Whether the weight products of a few rows run macspec's native kernels (built on first
     use), and on how many threads."""
-    from ..engine import native
+    from ..engine import native, products
 
     ext = native.load()
     if ext is None:
         return f"off: {native.reason}; mlx's own products (BLAS, scalar quantized)"
+    if not products.enabled():
+        return f"off: {products.OFF_ENV}=0; mlx's own products (BLAS, scalar quantized)"
     return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to 16 rows)"
 
 
@@ -195,20 +197,24 @@ def verify_costs(
     import macspec
 
     from .. import backend as be
-    from ..engine import caches, native
+    from ..engine import caches, kernels
     from ..engine.round import hidden_states, output_head
     from ..engine.sampling import SamplingOptions, distribution, sample
 
     pair = macspec.load(model)
     target = pair.target
-    head = getattr(target, "lm_head", None) or target.model.embed_tokens
-    products = _layer_products(target, head)
-    width = target.args.hidden_size
+    # The split needs an mlx-lm decoder's layout (`model.model`, a tied or untied head); other
+    # models (multimodal wrappers such as qwen3_5's) get the pass times alone.
+    trunk = getattr(target, "model", None)
+    split = hasattr(trunk, "embed_tokens") and hasattr(getattr(target, "args", None), "hidden_size")
+    head = (getattr(target, "lm_head", None) or trunk.embed_tokens) if split else None
+    products = _layer_products(target, head) if split else []
+    width = target.args.hidden_size if split else 0
     cache = caches.make_cache(target, max(rows))
     prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
     with caches.forward(cache, context):
         mx.eval(target(prompt, cache=cache))
-    parts = ("pass", "layers", "head", "build", "products", "head_alone", "sample")
+    parts = ("pass", "serial", "layers", "head", "build", "products", "head_alone", "sample")
     best = {(part, n): float("inf") for part in parts for n in rows}
     greedy, key = SamplingOptions(), mx.random.key(0)
 
@@ -228,16 +234,21 @@ def verify_costs(
             with caches.forward(cache, n, rewindable=True):
                 logits = timed("pass", n, rep, target, x, cache=cache)
             caches.rewind(cache, context)
+            if not split:
+                continue
             with caches.forward(cache, n, rewindable=True):
                 h = timed("layers", n, rep, hidden_states, target, x[0], cache)
             timed("head", n, rep, output_head, target, h)
             caches.rewind(cache, context)
-            with caches.forward(cache, n, rewindable=True):
+            # Graph building timed alone: the layers that start evaluating early are held back.
+            with kernels.serial(), caches.forward(cache, n, rewindable=True):
                 start = time.perf_counter()
                 lazy = target(x, cache=cache)
                 if rep:
                     best["build", n] = min(best["build", n], time.perf_counter() - start)
                 mx.eval(lazy)
+                if rep:
+                    best["serial", n] = min(best["serial", n], time.perf_counter() - start)
             caches.rewind(cache, context)
             ones = {k: mx.ones((1, n, k)) for k in {k for _, k in products} | {width}}
             mx.eval(list(ones.values()))
@@ -249,27 +260,29 @@ def verify_costs(
     weights = sum(v.nbytes for _, v in tree_flatten(target.parameters()))
     ms = {k: round(v * 1000, 2) for k, v in best.items()}
     breakdown = {}
-    for n in rows:
-        rest = ms["pass", n] - ms["build", n] - ms["products", n] - ms["head_alone", n]
+    for n in rows if split else ():
+        # rest from the pass built whole; what evaluating during the build saves is its own line
+        rest = ms["serial", n] - ms["build", n] - ms["products", n] - ms["head_alone", n]
         breakdown[str(n)] = {
             "build": ms["build", n],
             "layer products": ms["products", n],
             "head": ms["head_alone", n],
             "rest": round(max(rest, 0.0), 2),
             "sample": ms["sample", n],
+            "overlap saves": round(max(ms["serial", n] - ms["pass", n], 0.0), 2),
         }
     bandwidth = be.measure_bandwidth()["best"]
     return {
         "model": str(pair.target_path),
         "ms": {str(n): ms["pass", n] for n in rows},
         "ratio": {str(n): round(best["pass", n] / one, 2) for n in rows},
-        "split_ms": {str(n): {p: ms[p, n] for p in ("layers", "head")} for n in rows},
+        "split_ms": {str(n): {p: ms[p, n] for p in ("layers", "head")} for n in rows if split},
         "breakdown_ms": breakdown,
         "weights_mb": round(weights / 1e6, 1),
         "bandwidth_gbs": round(bandwidth, 1),
         # the step if every weight byte were read once at the measured copy bandwidth
         "floor_ms": round(weights / (bandwidth * 1e9) * 1000, 2),
-        "native": "in use" if native.load() is not None else f"off ({native.reason})",
+        "native": native_products(),
     }
 
 
@@ -294,6 +307,8 @@ def write_chart(costs: dict[str, Any], path: str) -> None:
     for i, n in enumerate(rows):
         left = 0.0
         for part, value in costs["breakdown_ms"][n].items():
+            if part not in BREAKDOWN_COLORS:
+                continue
             label = part if i == 0 else None
             ax.barh(i, value, left=left, color=BREAKDOWN_COLORS[part], label=label)
             left += value
@@ -303,7 +318,7 @@ def write_chart(costs: dict[str, Any], path: str) -> None:
     ax.text(floor, len(rows) - 0.4, f" weights at {costs['bandwidth_gbs']} GB/s", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{n} token{'s' if n != '1' else ''}" for n in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("milliseconds (build and products timed alone; rest = pass - those)")
+    ax.set_xlabel("milliseconds (build and products timed alone; rest = whole-built pass - those)")
     ax.set_title(f"One forward pass of {Path(costs['model']).name} (products: {costs['native']})")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -315,8 +330,10 @@ def doctor(json: bool = False, model: str | None = None, chart: str | None = Non
     report = diagnose()
     if model:
         report["verify_cost"] = verify_costs(model)
-        if chart:
+        if chart and report["verify_cost"]["breakdown_ms"]:
             write_chart(report["verify_cost"], chart)
+        elif chart:
+            print(f"macspec: no chart: {model} is not laid out as an mlx-lm decoder", file=sys.stderr)
     print(jsonlib.dumps(report, indent=2) if json else format_report(report))
     sys.stdout.flush()
     return 0
