@@ -333,7 +333,8 @@ def doctor(json: bool = False, model: str | None = None, chart: str | None = Non
         if chart and report["verify_cost"]["breakdown_ms"]:
             write_chart(report["verify_cost"], chart)
         elif chart:
-            print(f"macspec: no chart: {model} is not laid out as an mlx-lm decoder", file=sys.stderr)
+            note = f"macspec: no chart: {model} is not laid out as an mlx-lm decoder"
+            print(note, file=sys.stderr)
     print(jsonlib.dumps(report, indent=2) if json else format_report(report))
     sys.stdout.flush()
     return 0
