@@ -436,3 +436,22 @@ def test_plain_mode_reuses_the_prompt_cache_too(chat_pair):
     second = answer(chat_pair, history, OPTS40, io.StringIO(), color=False)
     assert first.stats.prompt_tokens < second.stats.cached_tokens
     assert second.text == fresh_text(chat_pair, history, **OPTS40)
+
+
+def test_reply_says_what_the_last_round_verified_and_kept(chat_pair):
+    """A chain round: kept of drafted; a token tree (more nodes than depth): its nodes and the
+    accepted path's depth."""
+    prompt = chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}])
+    for options, tree in ((FIXED, False), ({**FIXED, "tree_nodes": 6}, True)):
+        reply, shown = Reply(), []
+        for event in macspec.stream_generate(chat_pair, prompt, **options):
+            reply.add_round(event, now=0.0)
+            if event.rows > 1:
+                shown.append(reply.last_round)
+                drafts, kept = event.rows - 1, len(event.accepted)
+                assert reply.last_round in (
+                    f"tree {drafts}: depth {kept}",
+                    f"{kept} of {drafts} kept",
+                )
+        trees = [s for s in shown if s.startswith("tree 6: depth ")]
+        assert shown and (bool(trees) == tree), shown

@@ -303,7 +303,7 @@ def write_chart(costs: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = list(costs["breakdown_ms"])
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.8))
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 2.2))
     for i, n in enumerate(rows):
         left = 0.0
         for part, value in costs["breakdown_ms"][n].items():
@@ -319,8 +319,9 @@ def write_chart(costs: dict[str, Any], path: str) -> None:
     ax.set_yticks(range(len(rows)), [f"{n} token{'s' if n != '1' else ''}" for n in rows])
     ax.invert_yaxis()
     ax.set_xlabel("milliseconds (build and products timed alone; rest = whole-built pass - those)")
-    ax.set_title(f"One forward pass of {Path(costs['model']).name} (products: {costs['native']})")
-    ax.legend(loc="lower right", fontsize=8)
+    products = costs["native"].split(" (")[0].split(":")[0]  # "in use" / "off"
+    ax.set_title(f"One forward pass of {Path(costs['model']).name} (native products {products})")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=5, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

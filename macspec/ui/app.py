@@ -194,6 +194,7 @@ class ChatApp(App):
             ("round speedup", timing(f"{num(reply and reply.last_speedup)}x")),
             ("acceptance", pct(stats.acceptance_rate if drafted else None)),
             ("accept length", num(stats.mean_accepted_length if drafted else None)),
+            ("last round", (reply.last_round if reply is not None else "") or "–"),
             ("tok/s", timing(num(stats.tokens_per_second if stats else None, 1))),
             ("plain tok/s", timing(num(plain, 1))),
             ("overall", timing(f"{num(stats.speedup if stats else None)}x")),

@@ -55,6 +55,7 @@ class Reply:
         self.last_speedup: float | None = None  # the latest round against a plain step
         self.accepted_per_round: list[int] = []
         self.max_num_draft = 0
+        self.last_round = ""  # what the latest speculative round verified and kept
         self.finish_reason: str | None = None
         self.linger = linger  # seconds a rejected draft stays visible; None = for good
         self.failed = False  # drawing this reply went wrong; later rounds are ignored
@@ -80,6 +81,11 @@ class Reply:
         self.last_speedup = event.speedup or self.last_speedup
         self.accepted_per_round.append(len(event.accepted))
         self.max_num_draft = max(self.max_num_draft, event.num_draft)
+        drafts, kept = event.rows - 1, len(event.accepted)
+        if drafts > event.num_draft:  # a token tree: its nodes, and the accepted path's depth
+            self.last_round = f"tree {drafts}: depth {kept}"
+        elif drafts:
+            self.last_round = f"{kept} of {drafts} kept"
         self.finish_reason = event.finish_reason or self.finish_reason
         return new
 
