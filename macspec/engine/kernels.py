@@ -2,16 +2,14 @@
 
 On Metal and CUDA, mx.fast.rope and mx.fast.scaled_dot_product_attention are real kernels. On the
 CPU backend they are generic fallback graphs, and exp/sigmoid run their polynomial one element at
-a time: measured on a 2-core Xeon, RoPE 114 us and attention 86 us (one token, 300 cached) or
-364 us (5 tokens) a call, exp 12.7 ns an element. A speculative verification pays these for
-every row, so they widen the gap between checking K drafts and one plain step. Measured on
-SmolLM2-135M (float32, OpenBLAS, 300-token context): a plain step 69.5 -> 67.7 ms, verifying 5
-tokens 100.6 -> 86.6 ms.
+a time. A speculative verification pays these for every row, so they widen the gap between
+checking K drafts and one plain step (README, "speed on Linux CPUs", has the measurements).
 
 `accelerate` switches the attention and MLP of mlx-lm's llama and qwen2 layers (and the drafts
-built from them) to the methods below by changing their class: weights, parameter names and
-saved files stay exactly mlx-lm's. Plain and speculative decoding run the same switched model,
-so exactness is untouched; the logits agree with mlx-lm's to float32 rounding (tests).
+built from them), and the weight products of any model (products.py), to the methods below by
+changing their class: weights, parameter names and saved files stay exactly mlx-lm's. Plain and
+speculative decoding run the same switched model, so exactness is untouched; the logits agree
+with mlx-lm's to float32 rounding (tests).
 """
 
 from __future__ import annotations
