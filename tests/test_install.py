@@ -76,6 +76,7 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     assert "macspec/data/catalog.json" in names
     assert {f"macspec/data/default-draft/{n}" for n in DRAFT_FILES} <= names
     assert "macspec/ui/chat.tcss" in names
+    assert "macspec/engine/csrc/cpu_linear.cpp" in names  # built on the user's machine
 
 
 def _default_home() -> Path:
@@ -90,9 +91,11 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     env = {**os.environ, "MACSPEC_HOME": str(_default_home())}
     script = (
         "import json, macspec\n"
+        "from macspec.engine import native, products\n"
         "pair = macspec.load()\n"
         "print(json.dumps({'module': macspec.__file__, 'kind': pair.drafter_kind,\n"
-        "                  'draft': str(pair.draft_path), 'target': pair.target_path.name}))\n"
+        "                  'draft': str(pair.draft_path), 'target': pair.target_path.name,\n"
+        "                  'native': [str(native.SOURCE), products.active(), native.reason]}))\n"
     )
     done = _run([venv / "bin" / "python", "-c", script], env=env, cwd=venv)
     if done.returncode != 0 and "could not download" in done.stderr:
@@ -104,6 +107,13 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     assert got["kind"] == "eagle+ngram"
     assert Path(got["draft"]) == package / "data" / "default-draft"
     assert got["target"] == default.store_name(default.default_format()[0])
+    # The native products come from the installed package's own source, and are in use wherever
+    # they are in use for the suite itself.
+    from macspec.engine import native
+
+    source, active, reason = got["native"]
+    assert Path(source) == package / "engine" / "csrc" / "cpu_linear.cpp"
+    assert active == (native.load() is not None), reason
 
     pairs = _run([venv / "bin" / "macspec", "models", "--pairs", "--json"], env=env, cwd=venv)
     assert pairs.returncode == 0, pairs.stderr
