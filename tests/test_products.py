@@ -214,3 +214,22 @@ def test_thread_pool_restarts_and_runs_without_hanging():
     )
     done = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
     assert done.returncode == 0, done.stderr.decode()[-800:]
+
+
+def test_eagle_head_rows_use_native_products_only_with_the_kernels(monkeypatch):
+    """The EAGLE draft's head (the target's rows for its vocabulary) goes through the extension
+    when the pair runs the CPU kernels, through mlx's product otherwise, with the same logits."""
+    from macspec.engine.eagle import TargetParts
+
+    model = _model()
+    ids = mx.array([3, 7, 9, 40, 2], dtype=mx.int32)
+    x = mx.random.normal((3, model.args.hidden_size), key=mx.random.key(2))
+    calls = []
+    real = ext.linear
+    monkeypatch.setattr(ext, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
+    want = mx.take(x @ model.model.embed_tokens.weight.T, ids, axis=1)
+    for on in (True, False):
+        calls.clear()
+        got = TargetParts(model, ids, native=on).logits(x)
+        assert calls == ([(3, model.args.hidden_size)] if on else [])
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=3e-5)

@@ -27,7 +27,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import ModelError
-from . import caches, kernels, tree
+from . import caches, kernels, products, tree
 from .drafters import DistFn, DraftState, Proposal
 from .sampling import sample
 
@@ -131,7 +131,7 @@ class TargetParts:
     """What the draft borrows from the target: the input embedding and the output head's rows
     for the draft's vocabulary, in float32 (the fast type on CPUs; MLX casts on GPUs too)."""
 
-    def __init__(self, target: nn.Module, vocab_ids: mx.array):
+    def __init__(self, target: nn.Module, vocab_ids: mx.array, native: bool = False):
         from .round import output_head
 
         self.target = target
@@ -140,7 +140,9 @@ class TargetParts:
         # The head applied to the identity gives its weight whatever its form (tied, untied,
         # quantized); only the draft's rows are kept.
         rows = output_head(target, mx.eye(h, dtype=mx.float32))  # (H, V)
-        self.head = mx.take(rows.astype(mx.float32), vocab_ids, axis=1).T  # (Vd, H)
+        # (Vd, H) row-contiguous: the layout of a linear layer's weight, for the native products
+        self.head = mx.contiguous(mx.take(rows.astype(mx.float32), vocab_ids, axis=1).T)
+        self.native = native  # its product runs macspec's CPU products (with the CPU kernels)
         # Target id -> column of the draft's logits, len(vocab_ids) for ids it lacks (for the
         # repetition penalty's windows, see engine.make_dist).
         table = np.full(rows.shape[1], vocab_ids.size, np.int32)
@@ -152,6 +154,8 @@ class TargetParts:
         return self.target.model.embed_tokens(ids).astype(mx.float32)
 
     def logits(self, features: mx.array) -> mx.array:
+        if self.native:
+            return products.matmul_t(features, self.head)
         return features @ self.head.T
 
 
@@ -378,7 +382,7 @@ def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
     if pair.kernels:
         kernels.accelerate_layers([draft.layer])  # the same CPU kernels as the target's layers
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
-    parts = TargetParts(pair.target, vocab_ids)
+    parts = TargetParts(pair.target, vocab_ids, native=pair.kernels)
 
     def make(adaptive: bool = True) -> EagleDrafter:
         return EagleDrafter(draft, parts, pair.vocab_size, STOP_BELOW if adaptive else 0.0)

@@ -67,6 +67,18 @@ def _quantized_ok(m: nn.Module) -> bool:
     )
 
 
+def matmul_t(x: mx.array, w: mx.array) -> mx.array:
+    """x @ w.T for a float32 weight matrix held outside a layer (the EAGLE draft's head rows)."""
+    ext = _ext(x)
+    if ext is not None and w.dtype == mx.float32 and _rows(x) <= MAX_ROWS and on_cpu():
+        return ext.linear(x, w)
+    return x @ w.T
+
+
+def on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def linear_call(self: nn.Linear, x: mx.array) -> mx.array:
     ext = _ext(x)
     if ext is not None and self.weight.dtype == mx.float32 and _rows(x) <= MAX_ROWS:
