@@ -5,6 +5,7 @@ import json
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 from tinymodels import make_tiny_model
@@ -80,6 +81,15 @@ def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
     drafter = eagle_only.make_drafter(False)
     assert isinstance(drafter, EagleDrafter) and drafter.needs_hidden
     assert check(*eagle_dirs).compatible
+    # With the CPU kernels, the draft's products (its layer, its input projection and its head
+    # rows) run the native products where they are built; without them, mlx's own.
+    from macspec.engine import products
+
+    native = products.active() and mx.default_device() == mx.cpu
+    assert ("_macspec_stock" in type(drafter.draft.fc).__dict__) == native
+    assert drafter.parts.native
+    stock = macspec.load(*eagle_dirs, drafter="model", kernels=False).make_drafter(False)
+    assert type(stock.draft.fc) is nn.Linear and not stock.parts.native
 
 
 @pytest.mark.parametrize("which", ["final features", "tapped layers"])

@@ -23,6 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import native, products
+from .products import on_cpu
 
 _LOG2E = 1.4426950408889634
 # 2^f on [-0.5, 0.5] (Cephes exp2f): MLX's own exp uses the same polynomial, element by element.
@@ -73,10 +74,6 @@ def _compiled(fn):
         except Exception:  # no compiler on this machine: the uncompiled graph is still exact
             _compiler_works = False
     return mx.compile(fn) if _compiler_works else fn
-
-
-def on_cpu() -> bool:
-    return mx.default_device().type == mx.DeviceType.cpu
 
 
 class _BoundedCompile:
@@ -232,7 +229,7 @@ def _switched(cls: type, methods: dict[str, Any]) -> type:
     return _SUBCLASSES[cls]
 
 
-def _switch_products(module: nn.Module) -> int:
+def switch_products(module: nn.Module) -> int:
     """Switch the weight products (linear layers, tied heads) of `module` and its children to
     the native few-row products (products.py); returns how many."""
     changed = 0
@@ -276,7 +273,7 @@ def accelerate_layers(layers: list) -> int:
         if type(mlp) in mlps:
             mlp.__class__ = _switched(type(mlp), {"__call__": _fast_mlp_call})
             hit = True
-        if isinstance(layer, nn.Module) and _switch_products(layer):
+        if isinstance(layer, nn.Module) and switch_products(layer):
             hit = True
         changed += hit
     return changed
@@ -293,7 +290,7 @@ def accelerate(model: nn.Module) -> int:
     trunk = getattr(model, "model", None)
     layers = list(getattr(trunk, "layers", []) or [])
     changed = accelerate_layers(layers)
-    _switch_products(model)
+    switch_products(model)
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
             layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
