@@ -265,13 +265,13 @@ def tree_round(
     t: Tree | None = None
     try:
         t0 = perf_counter()
-        t = drafter.propose_tree(shape)
+        t = drafter.propose_tree(shape)  # the tree's ids are read: the drafts are done
+        t1 = perf_counter()
         rows = [-1, *range(len(t))]
         mask = attend(t, start, rows, rows)
         with tree_pass(target.model, target.cache, mask, [0, *t.depths], start):
             logits = target.logits(mx.array([last, *t.tokens]), True)
         samples = sample(row_distributions(dist, logits, t), key)
-        t1 = perf_counter()
         accepted, token = walk(t, samples.tolist())
         done = True
         return t, accepted, token, t1 - t0, perf_counter() - t1
