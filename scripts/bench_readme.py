@@ -34,22 +34,33 @@ def _f(v: float | None, digits: int = 2) -> str:
 def targets(result: dict, comparison_only: bool = False) -> list[str]:
     """The issue's goals, checked against this run (only those the run can answer)."""
     lines = []
+    # "Plain" in the goals is macspec's own plain decoding when the run has it (the speedup
+    # columns are against mlx-lm's, which macspec's CPU kernels and products already beat).
+    plain = {
+        (r["temperature"], r["kind"]): r["speedup"]
+        for r in result["summary"]
+        if r["method"] == "macspec_plain" and r["speedup"]
+    }
+    base = "macspec plain" if plain else "plain"
+
+    def gain(r: dict) -> float:
+        return r["speedup"] / plain.get((r["temperature"], r["kind"]), 1.0)
 
     def best(temp: float, kind: str, methods: tuple[str, ...]) -> dict | None:
         cands = [
             r for r in iter_rows(result, temp, kind) if r["method"] in methods and r["speedup"]
         ]
-        return max(cands, key=lambda r: r["speedup"], default=None)
+        return max(cands, key=gain, default=None)
 
     temps = result["meta"]["temperatures"]
     for temp, goal in ((0.0, 1.5), (0.7, 1.3)):
         if comparison_only:
             break
         if temp in temps and (b := best(temp, "chat", MACSPEC_SPEC)):
-            ok = "met" if b["speedup"] >= goal else "NOT met"
+            ok = "met" if gain(b) >= goal else "NOT met"
             lines.append(
-                f"macspec ≥ {goal}x plain on chat at T={temp}: best {b['label']} "
-                f"{b['speedup']:.2f}x — {ok}"
+                f"macspec ≥ {goal}x {base} on chat at T={temp}: best {b['label']} "
+                f"{gain(b):.2f}x — {ok}"
             )
     if 0.7 in temps:
         for r in iter_rows(result, 0.7):
@@ -79,15 +90,15 @@ def targets(result: dict, comparison_only: bool = False) -> list[str]:
     # The goal names no temperature: every measured one is reported.
     for temp in temps:
         if b := best(temp, "grounded", ("macspec_ngram",)):
-            ok = "met" if b["speedup"] >= 1.5 else "NOT met"
+            ok = "met" if gain(b) >= 1.5 else "NOT met"
             lines.append(
-                f"n-gram ≥ 1.5x on grounded prompts at T={temp}: best {b['label']} "
-                f"{b['speedup']:.2f}x — {ok}"
+                f"n-gram ≥ 1.5x {base} on grounded prompts at T={temp}: best {b['label']} "
+                f"{gain(b):.2f}x — {ok}"
             )
     # "Never slower" is the promise of the default (adaptive) modes; a fixed K is the user's
     # explicit choice and is reported, not judged.
     for methods, what in (
-        (("macspec_adaptive", "macspec_ngram"), "never below 0.95x plain (adaptive modes)"),
+        (("macspec_adaptive", "macspec_ngram"), f"never below 0.95x {base} (adaptive modes)"),
         (("macspec",), "for comparison, fixed K"),
     ):
         rows = [
@@ -96,15 +107,15 @@ def targets(result: dict, comparison_only: bool = False) -> list[str]:
             if r["method"] in methods and r["speedup"] and r["kind"] != "all"
         ]
         if rows:
-            worst = min(rows, key=lambda r: r["speedup"])
+            worst = min(rows, key=gain)
             verdict = (
                 ""
                 if methods == ("macspec",)
-                else (" — met" if worst["speedup"] >= 0.95 else " — NOT met")
+                else (" — met" if gain(worst) >= 0.95 else " — NOT met")
             )
             lines.append(
                 f"{what}: worst {worst['label']} on {worst['kind']} at "
-                f"T={worst['temperature']}: {worst['speedup']:.2f}x{verdict}"
+                f"T={worst['temperature']}: {gain(worst):.2f}x{verdict}"
             )
     return lines
 
