@@ -203,3 +203,26 @@ def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
     assert main(["doctor", "--model", str(model), "--chart", str(tmp_path / "c.png")]) == 0
     assert "not laid out as an mlx-lm decoder" in capsys.readouterr().err
     assert not (tmp_path / "c.png").exists()
+
+
+def test_a_failed_native_build_leaves_mlx_products_and_says_why(monkeypatch, tmp_path):
+    """A compiler that fails: no extension, mlx's own products, and a reason naming the step."""
+    import shutil
+
+    from macspec.engine import native, products
+
+    if shutil.which("false") is None:
+        pytest.skip("no `false` command to stand in for a failing compiler")
+    for name, value in (("_tried", False), ("_module", None), ("reason", None)):
+        monkeypatch.setattr(native, name, value)
+    monkeypatch.delenv(native.OFF_ENV, raising=False)
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("CXX", shutil.which("false"))
+    assert native.load() is None and not products.active()
+    if native.reason.startswith("only built on"):
+        return  # not Linux: never built
+    assert native.reason.startswith("RuntimeError: false could not build nanobind.o: exit status")
+    from macspec.tools.doctor import native_products
+
+    assert native_products().startswith("off: RuntimeError: false could not build nanobind.o")
+    assert not list((tmp_path / "native").rglob("*.so"))

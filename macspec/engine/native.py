@@ -143,7 +143,10 @@ def _build(cxx: str, out: Path) -> None:
         for cmd in steps:
             done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
             if done.returncode:
-                raise RuntimeError(f"{Path(str(cmd[-1])).name}: {done.stderr.strip()[-400:]}")
+                said = done.stderr.strip()[-400:] or f"exit status {done.returncode}"
+                raise RuntimeError(
+                    f"{Path(cxx).name} could not build {Path(str(cmd[-1])).name}: {said}"
+                )
         os.replace(lib, out)  # atomic: a concurrent build or reader sees the whole file
 
 
