@@ -11,35 +11,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
+from tinymodels import chunk_logits, llama_like
 
 from macspec.engine import kernels
-
-
-def _model(module, **over):
-    config = {
-        "model_type": "llama",
-        "hidden_size": 48,
-        "num_hidden_layers": 2,
-        "intermediate_size": 96,
-        "num_attention_heads": 6,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 64,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        **over,
-    }
-    mx.random.seed(3)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    return model
-
-
-def _decode(model, chunks: list[list[int]]) -> list[np.ndarray]:
-    """Logits of each chunk fed in turn through one KV cache (a prefill, then steps)."""
-    cache = make_prompt_cache(model)
-    return [np.array(model(mx.array([c]), cache=cache)[0]) for c in chunks]
-
 
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 
@@ -55,10 +29,10 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
     ],
 )
 def test_accelerated_layers_give_mlx_lm_logits(module, over):
-    model = _model(module, **over)
-    stock = _decode(model, CHUNKS)
+    model = llama_like(module, **over)
+    stock = chunk_logits(model, CHUNKS)
     assert kernels.accelerate(model) == 2
-    fast = _decode(model, CHUNKS)
+    fast = chunk_logits(model, CHUNKS)
     for a, b in zip(stock, fast, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
@@ -66,7 +40,7 @@ def test_accelerated_layers_give_mlx_lm_logits(module, over):
 
 
 def test_same_weights_same_names_and_stock_restores():
-    model = _model(llama)
+    model = llama_like(llama)
     before = {k: v for k, v in tree_flatten(model.parameters())}
     kernels.accelerate(model)
     after = dict(tree_flatten(model.parameters()))
@@ -82,7 +56,7 @@ def test_same_weights_same_names_and_stock_restores():
 
 
 def test_a_mask_array_takes_mlx_lms_path():
-    model = _model(llama)
+    model = llama_like(llama)
     attn = model.model.layers[0].self_attn
     x = mx.random.normal((1, 5, 48), key=mx.random.key(1))
     mask = mx.array(np.tril(np.ones((5, 5), dtype=bool)) & ~np.eye(5, k=-3, dtype=bool))
@@ -92,7 +66,7 @@ def test_a_mask_array_takes_mlx_lms_path():
 
 
 def test_float16_layers_stay_float16():
-    model = _model(llama)
+    model = llama_like(llama)
     model.set_dtype(mx.float16)
     kernels.accelerate(model)
     cache = make_prompt_cache(model)
@@ -147,7 +121,7 @@ def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
 def test_every_compiled_kernel_is_bounded():
     # Prefill lengths differ per prompt, so RoPE and SwiGLU see new shapes too: a chat of many
     # turns must not keep one traced graph per prompt length in any of them.
-    model = _model(llama)
+    model = llama_like(llama)
     kernels.accelerate(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     x = mx.random.normal((1, 7, 48), key=mx.random.key(4))
@@ -177,7 +151,7 @@ def test_load_accelerates_the_target(pair):
 def test_nothing_changes_off_the_cpu_backend(monkeypatch):
     """Metal and CUDA keep mlx's own mx.fast kernels: no layer is switched there."""
     monkeypatch.setattr(kernels, "on_cpu", lambda: False)
-    model = _model(llama)
+    model = llama_like(llama)
     assert kernels.accelerate(model) == 0
     assert type(model.model.layers[0].self_attn) is llama.Attention
     x = mx.array([[1.0, 2.0, -mx.inf]])
@@ -186,13 +160,13 @@ def test_nothing_changes_off_the_cpu_backend(monkeypatch):
 
 def test_every_third_layer_starts_evaluating_the_pass(monkeypatch):
     # The stream computes the first layers while Python builds the rest of the graph.
-    model = _model(llama, num_hidden_layers=7)
-    stock = _decode(model, CHUNKS)
+    model = llama_like(llama, num_hidden_layers=7)
+    stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
     started = []
     real = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: started.append(a) or real(*a))
-    fast = _decode(model, CHUNKS)
+    fast = chunk_logits(model, CHUNKS)
     assert len(started) == 2 * len(CHUNKS)  # after layers 3 and 6 of every pass
     for a, b in zip(stock, fast, strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)

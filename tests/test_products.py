@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
+from tinymodels import chunk_logits, llama_like
 
 from macspec.engine import kernels, native, products
 
@@ -87,28 +87,9 @@ def test_unsupported_layouts_are_refused():
 
 
 def _model(**over):
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 96,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": True,
-        **over,
-    }
-    mx.random.seed(5)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    return model
-
-
-def _logits(model, chunks):
-    cache = make_prompt_cache(model)
-    return [np.array(model(mx.array([c]), cache=cache)[0]) for c in chunks]
+    return llama_like(
+        seed=5, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=96, **over
+    )
 
 
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11] * 3, [5], [40, 2, 33, 8], [13]]
@@ -116,14 +97,14 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11] * 3, [5], [40, 2, 33, 8], [13]]
 
 def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
     model = _model()
-    stock = _logits(model, CHUNKS)
+    stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
     assert "_macspec_stock" in type(model.model.layers[0].self_attn.q_proj).__dict__
     assert "_macspec_stock" in type(model.model.embed_tokens).__dict__
     calls = []
     real = ext.linear
     monkeypatch.setattr(ext, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
-    fast = _logits(model, CHUNKS)
+    fast = chunk_logits(model, CHUNKS)
     # the 21-token prompt goes to BLAS; the 1- and 4-token steps to the extension: 7 products
     # a layer and the head
     assert sorted({shape[1] for shape in calls}) == [1, 4]
@@ -136,7 +117,7 @@ def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
     products.set_enabled(False)
     try:
         calls.clear()
-        off = _logits(model, CHUNKS)
+        off = chunk_logits(model, CHUNKS)
         assert not calls
     finally:
         products.set_enabled(True)
@@ -148,10 +129,10 @@ def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
 def test_quantized_model_gives_mlx_logits(bits):
     model = _model()
     nn.quantize(model, group_size=32, bits=bits)
-    stock = _logits(model, CHUNKS)
+    stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
     assert "_macspec_stock" in type(model.model.layers[1].mlp.down_proj).__dict__
-    fast = _logits(model, CHUNKS)
+    fast = chunk_logits(model, CHUNKS)
     for a, b in zip(stock, fast, strict=True):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4)
 
@@ -160,7 +141,7 @@ def test_half_quantized_model_computes_in_float32():
     model = _model()
     model.set_dtype(mx.float16)
     nn.quantize(model, group_size=32, bits=8)
-    stock = _logits(model, CHUNKS)
+    stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
     layer = model.model.layers[0]
     assert layer.input_layernorm.weight.dtype == mx.float32
@@ -169,7 +150,7 @@ def test_half_quantized_model_computes_in_float32():
     cache = make_prompt_cache(model)
     assert model(mx.array([[1, 2]]), cache=cache).dtype == mx.float32
     assert cache[0].keys.dtype == mx.float32
-    fast = _logits(model, CHUNKS)
+    fast = chunk_logits(model, CHUNKS)
     for a, b in zip(stock, fast, strict=True):  # float16's rounding, and the same choices
         np.testing.assert_allclose(b, a, rtol=0, atol=0.05 * np.abs(a).max())
         assert (a.argmax(-1) == b.argmax(-1)).all()

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
@@ -104,3 +106,33 @@ def make_tiny_model(
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+def llama_like(module: Any = llama, seed: int = 3, **over: Any) -> Any:
+    """An in-memory mlx-lm model of `module` (llama, qwen2, ...) in a tiny llama-style shape,
+    for tests that compare layer paths on one set of weights."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "intermediate_size": 96,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 64,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": True,
+        **over,
+    }
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def chunk_logits(model: Any, chunks: list[list[int]]) -> list[np.ndarray]:
+    """Logits of each chunk fed in turn through one KV cache (a prefill, then steps)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    return [np.array(model(mx.array([c]), cache=cache)[0]) for c in chunks]
