@@ -56,6 +56,12 @@ def _rows(x: mx.array) -> int:
     return x.size // max(x.shape[-1], 1)
 
 
+def _float32(x: mx.array, w: mx.array) -> Any:
+    """The extension, for a float32 product of few enough rows; else None (mlx's own)."""
+    ext = _ext(x)
+    return ext if ext is not None and w.dtype == mx.float32 and _rows(x) <= MAX_ROWS else None
+
+
 def _quantized_ok(m: nn.Module) -> bool:
     return (
         getattr(m, "mode", "affine") == "affine"
@@ -69,10 +75,8 @@ def _quantized_ok(m: nn.Module) -> bool:
 
 def matmul_t(x: mx.array, w: mx.array) -> mx.array:
     """x @ w.T for a float32 weight matrix held outside a layer (the EAGLE draft's head rows)."""
-    ext = _ext(x)
-    if ext is not None and w.dtype == mx.float32 and _rows(x) <= MAX_ROWS and on_cpu():
-        return ext.linear(x, w)
-    return x @ w.T
+    ext = _float32(x, w) if on_cpu() else None
+    return ext.linear(x, w) if ext is not None else x @ w.T
 
 
 def on_cpu() -> bool:
@@ -80,8 +84,8 @@ def on_cpu() -> bool:
 
 
 def linear_call(self: nn.Linear, x: mx.array) -> mx.array:
-    ext = _ext(x)
-    if ext is not None and self.weight.dtype == mx.float32 and _rows(x) <= MAX_ROWS:
+    ext = _float32(x, self.weight)
+    if ext is not None:
         y = ext.linear(x, self.weight)
         return y + self["bias"] if "bias" in self else y
     return type(self)._macspec_stock.__call__(self, x)
@@ -96,8 +100,8 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 
 def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
-    ext = _ext(x)
-    if ext is not None and self.weight.dtype == mx.float32 and _rows(x) <= MAX_ROWS:
+    ext = _float32(x, self.weight)
+    if ext is not None:
         return ext.linear(x, self.weight)
     return type(self)._macspec_stock.as_linear(self, x)
 
