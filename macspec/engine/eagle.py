@@ -381,8 +381,7 @@ def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
     draft, vocab_ids, meta = read_draft_for(path, pair.target)
     if pair.kernels:
         kernels.accelerate_layers([draft.layer])  # the same CPU kernels as the target's layers
-        if kernels.on_cpu():
-            kernels.switch_products(draft)  # its input projections too
+        kernels.switch_products(draft)  # its input projections too
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
     parts = TargetParts(pair.target, vocab_ids, native=pair.kernels)
 

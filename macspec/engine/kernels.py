@@ -231,7 +231,9 @@ def _switched(cls: type, methods: dict[str, Any]) -> type:
 
 def switch_products(module: nn.Module) -> int:
     """Switch the weight products (linear layers, tied heads) of `module` and its children to
-    the native few-row products (products.py); returns how many."""
+    the native few-row products (products.py); returns how many. Nothing off the CPU backend."""
+    if not on_cpu():
+        return 0
     changed = 0
     for _, m in module.named_modules():
         methods = products.METHODS.get(type(m))
