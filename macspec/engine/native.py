@@ -26,6 +26,8 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from ..backend import cache_home
+
 OFF_ENV = "MACSPEC_NATIVE"
 THREADS_ENV = "MACSPEC_NATIVE_THREADS"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_linear.cpp"
@@ -39,16 +41,7 @@ reason: str | None = None  # why the extension is not in use, when it is not
 def cache_dir() -> Path:
     """`$MACSPEC_HOME/native`, else `<platform cache dir>/macspec/native` (beside the model
     store)."""
-    home = os.environ.get("MACSPEC_HOME")
-    if home:
-        return Path(home).expanduser() / "native"
-    try:
-        import platformdirs
-
-        base = Path(platformdirs.user_cache_dir("macspec", appauthor=False))
-    except ImportError:
-        base = Path.home() / ".cache" / "macspec"
-    return base / "native"
+    return cache_home() / "native"
 
 
 def _compiler() -> str | None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backend import cache_home
 from ..errors import ConvertError, ModelError, OptionError
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).
@@ -31,16 +32,7 @@ _TMP_PREFIX = ".tmp-"
 
 def store_root() -> Path:
     """`$MACSPEC_HOME/models`, else `<platform cache dir>/macspec/models`."""
-    home = os.environ.get("MACSPEC_HOME")
-    if home:
-        return Path(home).expanduser() / "models"
-    try:
-        import platformdirs
-
-        base = Path(platformdirs.user_cache_dir("macspec", appauthor=False))
-    except ImportError:  # platformdirs comes with huggingface-hub; this is a fallback only
-        base = Path.home() / ".cache" / "macspec"
-    return base / "models"
+    return cache_home() / "models"
 
 
 def validate_name(name: str) -> str:
