@@ -71,25 +71,55 @@ def make_bpe_model(path: Path, seed: int = 0, **kw) -> Path:
     return path
 
 
-# HF name -> llama.cpp name
-def gguf_name(hf: str) -> str:
-    glob = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    layer = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
-    module, suffix = hf.rsplit(".", 1)
-    if module in glob:
-        return f"{glob[module]}.{suffix}"
+# mlx-lm module name -> llama.cpp tensor name (tensor_mapping.py's targets), per layer and global
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.c_fc": "ffn_up",
+    "mlp.c_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps",
+    "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "block_sparse_moe.switch_mlp.gate_proj": "ffn_gate_exps",
+    "block_sparse_moe.switch_mlp.up_proj": "ffn_up_exps",
+    "block_sparse_moe.switch_mlp.down_proj": "ffn_down_exps",
+}
+GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+# Gemma 2/3 and OLMo 2 have norms after attention and after the MLP
+POST_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def gguf_name(name: str, case: str = "llama") -> str:
+    """HF (mlx-lm) tensor name -> llama.cpp's, for a model of architecture `case`."""
+    module, suffix = name.rsplit(".", 1)
+    if module in GLOBAL:
+        return f"{GLOBAL[module]}.{suffix}"
     _, _, i, rest = module.split(".", 3)
-    return f"blk.{i}.{layer[rest]}.{suffix}"
+    table = {**LAYER, **POST_NORMS} if case in ("gemma2", "gemma3", "olmo2") else LAYER
+    return f"blk.{i}.{table[rest]}.{suffix}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
