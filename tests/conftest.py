@@ -6,6 +6,16 @@ SMALL = "abcd"  # a 7-id vocabulary (3 specials + 4 chars) for distribution test
 
 
 @pytest.fixture(scope="session")
+def chat_dirs(tmp_path_factory):
+    """A target with a 2,048-token context and an unrelated draft (the chat and server tests:
+    each loads its own pair, so prompt caches and policies stay apart)."""
+    root = tmp_path_factory.mktemp("chat")
+    target = make_tiny_model(root / "target", seed=0, context=2048)
+    draft = make_tiny_model(root / "draft", seed=1)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """A random target and a noisy copy of it as the draft: they agree part of the time."""
     root = tmp_path_factory.mktemp("tiny")

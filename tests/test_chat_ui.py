@@ -42,14 +42,6 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="module")
-def chat_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    target = make_tiny_model(root / "target", seed=0, context=2048)
-    draft = make_tiny_model(root / "draft", seed=1)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
 def chat_pair(chat_dirs):
     return macspec.load(*chat_dirs)
 

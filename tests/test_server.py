@@ -16,7 +16,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api
@@ -27,16 +26,8 @@ QUESTION = [{"role": "user", "content": "the cat sat on the mat"}]
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    target = make_tiny_model(root / "target", seed=0, context=2048)
-    draft = make_tiny_model(root / "draft", seed=1)
-    return target, draft
-
-
-@pytest.fixture(scope="module")
-def pair(dirs):
-    return macspec.load(*dirs)
+def pair(chat_dirs):
+    return macspec.load(*chat_dirs)
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +217,8 @@ def test_the_api_key_is_required_when_set(pair):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_the_stream_and_the_server_cleanly(dirs, sig):
-    target, draft = dirs
+def test_a_signal_ends_the_stream_and_the_server_cleanly(chat_dirs, sig):
+    target, draft = chat_dirs
     cmd = [sys.executable, "-m", "macspec", "serve", "--target", str(target), "--draft", str(draft)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -266,11 +257,11 @@ def test_only_loopback_hosts_go_without_a_warning():
     assert not any(_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.4", "example.org"))
 
 
-def test_a_taken_port_is_a_message_not_a_traceback(dirs, capsys):
+def test_a_taken_port_is_a_message_not_a_traceback(chat_dirs, capsys):
     from macspec import cli
 
     with _bind_taken() as port:
-        assert cli.main(["serve", "--target", str(dirs[0]), "--port", str(port)]) == 2
+        assert cli.main(["serve", "--target", str(chat_dirs[0]), "--port", str(port)]) == 2
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
 
 
