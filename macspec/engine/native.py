@@ -174,6 +174,9 @@ def load() -> ModuleType | None:
     cxx = _compiler()
     if platform.system() != "Linux":
         reason = "only built on Linux (macOS runs Metal, or Accelerate on its CPU)"
+    elif "avx2" not in _cpu_flags().split():
+        # Its kernels are written and measured for x86-64 with AVX2 or AVX-512 only.
+        reason = "only built for x86-64 CPUs with AVX2 (this CPU keeps mlx's products)"
     elif cxx is None:
         reason = "no C++ compiler (install g++)"
     elif importlib.util.find_spec("nanobind") is None:

@@ -231,6 +231,28 @@ class Pool {
 // ---------------------------------------------------------------- kernels
 
 constexpr int L = 16;  // lanes of one vector (two registers with AVX2, one with AVX-512)
+
+// How many such vectors the register file holds. The blocks below keep their accumulators, the
+// weight vectors and one x vector in registers; past this they spill to the stack on every
+// step (AVX2 with AVX-512's blocks ran 2 rows 3x slower than BLAS).
+#if defined(__AVX512F__)
+constexpr int VREGS = 32;
+#elif defined(__AVX__) || defined(__aarch64__)
+constexpr int VREGS = 8;
+#else
+constexpr int VREGS = 4;
+#endif
+
+// Weight rows per block for MB rows of x: the most that fits `per_row` accumulators of each x
+// row and `weights` vectors of each weight row, beside one x vector (at least 1).
+constexpr int rows_fitting(int MB, int per_row, int weights) {
+  int R = 4;
+  while (R > 1 && per_row * MB * R + weights * R + 1 > VREGS) {
+    R--;
+  }
+  return R;
+}
+#if defined(__AVX512F__)
 typedef float vf __attribute__((vector_size(64)));
 typedef float vfu __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64)));
@@ -239,34 +261,23 @@ static inline vf loadf(const float* p) {
   return *(const vfu*)p;
 }
 
+static inline vf to_vf(vi v) {
+  return __builtin_convertvector(v, vf);
+}
+
 // 16 bytes widened to 16 int32 lanes (GCC turns __builtin_convertvector into byte-by-byte
 // inserts here, 5x slower than the one instruction).
 static inline vi widen16(const uint8_t* p) {
   vi r;
-#if defined(__AVX512F__)
   __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   std::memcpy(&r, &v, sizeof(r));
-#elif defined(__AVX2__)
-  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
-  std::memcpy(&r, &a, sizeof(a));
-  std::memcpy((char*)&r + sizeof(a), &b, sizeof(b));
-#else
-  for (int i = 0; i < L; i++) {
-    r[i] = p[i];
-  }
-#endif
   return r;
 }
 
 // Keeps a loaded vector in a register: without it GCC reloads each weight vector once per row
 // of x (and each row of x once per weight row) instead of once.
 static inline void pin(vf& v) {
-#if defined(__x86_64__) && defined(__GNUC__)
   asm("" : "+v"(v));
-#elif defined(__aarch64__) && defined(__GNUC__)
-  asm("" : "+w"(v));
-#endif
 }
 
 // One level of hsums(): lanes i and i + w of every vector added, two vectors packed into one.
@@ -286,6 +297,97 @@ static inline vf fold(vf a, vf b) {
         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   }
 }
+#else
+// Without AVX-512 GCC keeps 64-byte vectors on the stack and moves every step through memory
+// (AVX2 ran a 2-row product 5x slower than BLAS): the 16 lanes are two 8-lane halves here,
+// with the same lanes in the same order, so every sum is taken as with AVX-512.
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+struct vf {
+  f8 lo, hi;
+  friend vf operator+(vf a, vf b) {
+    return {a.lo + b.lo, a.hi + b.hi};
+  }
+  friend vf operator*(vf a, vf b) {
+    return {a.lo * b.lo, a.hi * b.hi};
+  }
+  friend vf operator*(vf a, float s) {
+    return {a.lo * s, a.hi * s};
+  }
+  vf& operator+=(vf b) {
+    lo += b.lo;
+    hi += b.hi;
+    return *this;
+  }
+};
+
+struct vi {
+  i8 lo, hi;
+  friend vi operator&(vi a, int b) {
+    return {a.lo & b, a.hi & b};
+  }
+  friend vi operator>>(vi a, int b) {
+    return {a.lo >> b, a.hi >> b};
+  }
+};
+
+static inline vf loadf(const float* p) {
+  return {*(const f8u*)p, *(const f8u*)(p + 8)};
+}
+
+static inline vf to_vf(vi v) {
+  return {__builtin_convertvector(v.lo, f8), __builtin_convertvector(v.hi, f8)};
+}
+
+// 16 bytes widened to 16 int32 lanes.
+static inline vi widen16(const uint8_t* p) {
+  vi r;
+#if defined(__AVX2__)
+  __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8)));
+  std::memcpy(&r.lo, &a, sizeof(a));
+  std::memcpy(&r.hi, &b, sizeof(b));
+#else
+  for (int i = 0; i < 8; i++) {
+    r.lo[i] = p[i];
+    r.hi[i] = p[i + 8];
+  }
+#endif
+  return r;
+}
+
+// Keeps a loaded vector in registers (see the AVX-512 pin).
+static inline void pin(vf& v) {
+#if defined(__AVX__) && defined(__GNUC__)
+  asm("" : "+x"(v.lo), "+x"(v.hi));
+#endif
+}
+
+// Lanes I of the 16 lanes (lo, hi), as 8 lanes.
+template <int... I>
+static inline f8 pick(vf a) {
+  return __builtin_shufflevector(a.lo, a.hi, I...);
+}
+
+// One level of hsums(), as the AVX-512 fold: a's folded lanes, then b's.
+template <int W>
+static inline vf fold(vf a, vf b) {
+  if constexpr (W == 8) {
+    return {a.lo + a.hi, b.lo + b.hi};
+  } else if constexpr (W == 4) {
+    return {pick<0, 1, 2, 3, 8, 9, 10, 11>(a) + pick<4, 5, 6, 7, 12, 13, 14, 15>(a),
+            pick<0, 1, 2, 3, 8, 9, 10, 11>(b) + pick<4, 5, 6, 7, 12, 13, 14, 15>(b)};
+  } else if constexpr (W == 2) {
+    return {pick<0, 1, 4, 5, 8, 9, 12, 13>(a) + pick<2, 3, 6, 7, 10, 11, 14, 15>(a),
+            pick<0, 1, 4, 5, 8, 9, 12, 13>(b) + pick<2, 3, 6, 7, 10, 11, 14, 15>(b)};
+  } else {
+    return {pick<0, 2, 4, 6, 8, 10, 12, 14>(a) + pick<1, 3, 5, 7, 9, 11, 13, 15>(a),
+            pick<0, 2, 4, 6, 8, 10, 12, 14>(b) + pick<1, 3, 5, 7, 9, 11, 13, 15>(b)};
+  }
+}
+#endif
 
 template <int W>
 static inline int fold_all(vf* v, int count) {
@@ -369,7 +471,8 @@ static void f32_block(
 
 template <int MB>
 static void f32_rows(const float* W, const float* x, float* y, int n0, int n1, int N, int K) {
-  constexpr int R = MB <= 2 ? 4 : (MB <= 4 ? 3 : 2);
+  // With 32 registers: the blocks measured fastest on AVX-512; else whatever fits.
+  constexpr int R = VREGS >= 32 ? (MB <= 2 ? 4 : (MB <= 4 ? 3 : 2)) : rows_fitting(MB, 1, 1);
   f32_block<MB, R>(W, x, y, n0, n1, N, K);
 }
 
@@ -382,10 +485,12 @@ static void f32_dispatch(
     int n1,
     int N,
     int K) {
-  for (int m0 = 0; m0 < M; m0 += 8) {
+  // x rows per pass over the weights: their accumulators must fit with one weight vector.
+  constexpr int MBMAX = VREGS >= 32 ? 8 : std::max(1, VREGS - 2);
+  for (int m0 = 0; m0 < M; m0 += MBMAX) {
     const float* xs = x + (size_t)m0 * K;
     float* ys = y + (size_t)m0 * N;
-    switch (M - m0 < 8 ? M - m0 : 8) {
+    switch (std::min(M - m0, MBMAX)) {
       case 1: f32_rows<1>(W, xs, ys, n0, n1, N, K); break;
       case 2: f32_rows<2>(W, xs, ys, n0, n1, N, K); break;
       case 3: f32_rows<3>(W, xs, ys, n0, n1, N, K); break;
@@ -461,11 +566,11 @@ static void q_block(
           __builtin_prefetch(w + (size_t)(R + r) * row_bytes + at);
           vi wide = widen16(w + r * row_bytes + at);
           if constexpr (BITS == 4) {
-            lo[r] = __builtin_convertvector(wide & 15, vf);
-            hi[r] = __builtin_convertvector(wide >> 4, vf);
+            lo[r] = to_vf(wide & 15);
+            hi[r] = to_vf(wide >> 4);
             pin(hi[r]);
           } else {
-            lo[r] = __builtin_convertvector(wide, vf);
+            lo[r] = to_vf(wide);
           }
           pin(lo[r]);
         }
@@ -510,6 +615,11 @@ static void q_block(
   }
 }
 
+// Weight rows per quantized block: with 32 registers the blocks measured fastest on AVX-512;
+// else two accumulators per (x row, weight row) and two weight vectors per weight row must fit.
+template <int MB>
+constexpr int QR = VREGS >= 32 ? (MB <= 2 ? 4 : 2) : rows_fitting(MB, 2, 2);
+
 template <int BITS, int G, typename S>
 static void q_dispatch(
     const uint8_t* Wq,
@@ -524,15 +634,16 @@ static void q_dispatch(
     int N,
     int K) {
   const int groups = K / G;
-  for (int m0 = 0; m0 < M; m0 += 4) {
+  constexpr int MBMAX = VREGS >= 32 ? 4 : std::max(1, (VREGS - 3) / 2);
+  for (int m0 = 0; m0 < M; m0 += MBMAX) {
     const float* xm = xq + (size_t)m0 * K;
     const float* sm = xs + (size_t)m0 * groups;
     float* ym = y + (size_t)m0 * N;
-    switch (M - m0 < 4 ? M - m0 : 4) {
-      case 1: q_block<BITS, G, 1, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      case 2: q_block<BITS, G, 2, 4, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      case 3: q_block<BITS, G, 3, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
-      default: q_block<BITS, G, 4, 2, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+    switch (std::min(M - m0, MBMAX)) {
+      case 1: q_block<BITS, G, 1, QR<1>, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 2: q_block<BITS, G, 2, QR<2>, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      case 3: q_block<BITS, G, 3, QR<3>, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
+      default: q_block<BITS, G, 4, QR<4>, S>(Wq, scales, biases, xm, sm, ym, n0, n1, N, K); break;
     }
   }
 }
