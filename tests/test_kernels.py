@@ -28,7 +28,9 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
         (qwen2, {"model_type": "qwen2"}),
     ],
 )
-def test_accelerated_layers_give_mlx_lm_logits(module, over):
+@pytest.mark.parametrize("native", [True, False])  # the native primitives where built, or mlx ops
+def test_accelerated_layers_give_mlx_lm_logits(module, over, native, monkeypatch):
+    monkeypatch.setattr(kernels, "_native_layers", native)
     model = llama_like(module, **over)
     stock = chunk_logits(model, CHUNKS)
     assert kernels.accelerate(model) == 2
@@ -118,9 +120,11 @@ def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
     assert bounded.shapes == {((2, 9), (2, 1)), ((2, 10), (2, 1))}
 
 
-def test_every_compiled_kernel_is_bounded():
+def test_every_compiled_kernel_is_bounded(monkeypatch):
     # Prefill lengths differ per prompt, so RoPE and SwiGLU see new shapes too: a chat of many
-    # turns must not keep one traced graph per prompt length in any of them.
+    # turns must not keep one traced graph per prompt length in any of them (the mlx-op path,
+    # which runs where the native primitives are not built).
+    monkeypatch.setattr(kernels, "_native_layers", False)
     model = llama_like(llama)
     kernels.accelerate(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp

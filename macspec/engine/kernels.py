@@ -6,14 +6,18 @@ a time. A speculative verification pays these for every row, so they widen the g
 checking K drafts and one plain step (README, "speed on Linux CPUs", has the measurements).
 
 `accelerate` switches the attention and MLP of mlx-lm's llama and qwen2 layers (and the drafts
-built from them), and the weight products of any model (products.py), to the methods below by
-changing their class: weights, parameter names and saved files stay exactly mlx-lm's. Plain and
+built from them), every RMS norm, and the weight products of any model (products.py), to the
+methods below by changing their class. Where the native extension is built (native.py), the
+norms, SwiGLU, RoPE and attention of up to `products.MAX_ROWS` rows are one native primitive
+each (csrc/cpu_layer.cpp); otherwise the whole-array forms below run. Either way the change is
+in the class: weights, parameter names and saved files stay exactly mlx-lm's. Plain and
 speculative decoding run the same switched model, so exactness is untouched; the logits agree
 with mlx-lm's to float32 rounding (tests).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +28,21 @@ import numpy as np
 
 from . import native, products
 from .products import on_cpu
+
+NATIVE_ENV = "MACSPEC_NATIVE_LAYERS"
+_native_layers = os.environ.get(NATIVE_ENV, "") != "0"
+
+
+def native_layers() -> Any:
+    """The native layer primitives (csrc/cpu_layer.cpp), or None: mlx's ops run."""
+    return native.load() if _native_layers else None
+
+
+def set_native_layers(on: bool) -> None:
+    """Switch the native layer primitives on or off (tests, A/B timing)."""
+    global _native_layers
+    _native_layers = on
+
 
 _LOG2E = 1.4426950408889634
 # 2^f on [-0.5, 0.5] (Cephes exp2f): MLX's own exp uses the same polynomial, element by element.
@@ -139,13 +158,17 @@ class TableRoPE:
         self.cos, self.sin = mx.array(np.cos(theta)), mx.array(np.sin(theta))
         self.size = size
 
+    def tables(self, end: int) -> tuple[mx.array, mx.array]:
+        """cos and sin, (positions, dims / 2), for every position below `end` at least."""
+        if end > self.size:
+            self._grow(max(2 * self.size, end))
+        return self.cos, self.sin
+
     def pair(self, q: mx.array, k: mx.array, offset: int) -> tuple[mx.array, mx.array]:
         """Rotate queries and keys at once: one compiled graph instead of two dozen ops."""
         length = q.shape[-2]
-        if offset + length > self.size:
-            self._grow(max(2 * self.size, offset + length))
-        cos, sin = self.cos[offset : offset + length], self.sin[offset : offset + length]
-        return self._pair(q, k, cos, sin)
+        cos, sin = self.tables(offset + length)
+        return self._pair(q, k, cos[offset : offset + length], sin[offset : offset + length])
 
 
 def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dims: int, traditional: bool) -> mx.array:
@@ -193,15 +216,62 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: str | N
     return out.reshape(b, heads, length, dim)
 
 
+def _native_attention(
+    self, ext: Any, rope: TableRoPE, x: mx.array, offset: int, mask: Any, cache: Any, tree: Any
+) -> mx.array:
+    """The attention block as two native primitives around the cache update: RoPE with the
+    split into heads, then attention over the cache, as (1, L, H*D). In a token tree's pass
+    (tree.tree_pass) rows sit at their depths' positions and attend as its boolean mask says."""
+    positions, end = tree[1:] if tree is not None else (None, offset + x.shape[1])
+    cos, sin = rope.tables(end)
+    q, k, v = ext.rope_heads(
+        self.q_proj(x),
+        self.k_proj(x),
+        self.v_proj(x),
+        cos,
+        sin,
+        self.n_heads,
+        self.n_kv_heads,
+        offset,
+        rope.traditional,
+        positions,
+    )
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    if tree is not None:
+        return self.o_proj(ext.attend(q, k, v, self.scale, False, mask))
+    return self.o_proj(ext.attend(q, k, v, self.scale, mask is not None))
+
+
 def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
     """mlx-lm's llama/qwen2 Attention.__call__ with the table RoPE and `attention` above; masks
     it does not know (arrays, windows) and quantized caches take mlx-lm's own path."""
     b, length, _ = x.shape
+    offset = 0 if cache is None else cache.offset
+    rope = self._macspec_rope
+    ext = native_layers()
+    tree = getattr(self, "_macspec_tree", None)
+    if tree is not None:  # a tree pass: its table, positions, their end and a boolean mask
+        rope = tree[0]
+    if (
+        ext is not None
+        and b == 1
+        and length <= products.MAX_ROWS
+        and x.dtype == mx.float32
+        and isinstance(rope, TableRoPE)
+        and isinstance(offset, int)
+        and (
+            (tree is None and (mask is None or isinstance(mask, str)))
+            or (tree is not None and isinstance(mask, mx.array) and mask.dtype == mx.bool_)
+        )
+        and not hasattr(cache, "bits")
+    ):
+        return _native_attention(self, ext, rope, x, offset, mask, cache, tree)
+    rope = self._macspec_rope
     q = self.q_proj(x).reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    offset = 0 if cache is None else cache.offset
-    if isinstance(offset, int) and isinstance(self._macspec_rope, TableRoPE):
+    if isinstance(offset, int) and isinstance(rope, TableRoPE):
         q, k = self._macspec_rope.pair(q, k, offset)
     else:  # a scaled RoPE variant, or per-sequence offsets: mlx-lm's own module
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
@@ -217,7 +287,28 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
 
 
 def _fast_mlp_call(self, x: mx.array) -> mx.array:
-    return self.down_proj(_swiglu_fast(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    ext = native_layers()
+    if ext is not None and gate.dtype == up.dtype == mx.float32:
+        return self.down_proj(ext.swiglu(gate, up))
+    return self.down_proj(_swiglu_fast(gate, up))
+
+
+def _fast_norm_call(self, x: mx.array) -> mx.array:
+    ext = native_layers()
+    if ext is not None and x.dtype == self.weight.dtype == mx.float32:
+        return ext.rms_norm(x, self.weight, self.eps)
+    return type(self)._macspec_stock.__call__(self, x)
+
+
+def switch_norms(module: nn.Module) -> int:
+    """Switch every plain RMS norm of `module` to the native one; returns how many."""
+    changed = 0
+    for _, m in module.named_modules():
+        if type(m) is nn.RMSNorm:
+            m.__class__ = _switched(nn.RMSNorm, {"__call__": _fast_norm_call})
+            changed += 1
+    return changed
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -275,7 +366,7 @@ def accelerate_layers(layers: list) -> int:
         if type(mlp) in mlps:
             mlp.__class__ = _switched(type(mlp), {"__call__": _fast_mlp_call})
             hit = True
-        if isinstance(layer, nn.Module) and switch_products(layer):
+        if isinstance(layer, nn.Module) and switch_products(layer) + switch_norms(layer):
             hit = True
         changed += hit
     return changed
@@ -293,6 +384,7 @@ def accelerate(model: nn.Module) -> int:
     layers = list(getattr(trunk, "layers", []) or [])
     changed = accelerate_layers(layers)
     switch_products(model)
+    switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
             layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})

@@ -30,7 +30,10 @@ from ..backend import cache_home
 
 OFF_ENV = "MACSPEC_NATIVE"
 THREADS_ENV = "MACSPEC_NATIVE_THREADS"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_linear.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
+SOURCES = (SOURCE, SOURCE_DIR / "cpu_layer.cpp")  # compiled, with the header below
+HEADERS = (SOURCE_DIR / "common.h",)
 MODULE = "_macspec_cpu"
 
 _module: ModuleType | None = None
@@ -68,7 +71,7 @@ def _key(cxx: str) -> str:
     import nanobind
 
     parts = [
-        SOURCE.read_bytes(),
+        *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
         mx.__version__.encode(),
         nanobind.__version__.encode(),
         sys.version.encode(),
@@ -105,26 +108,30 @@ def _build(cxx: str, out: Path) -> None:
         f"-I{p['nb']}/ext/robin_map/include",
     ]
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        nb_obj, ext_obj = Path(tmp, "nanobind.o"), Path(tmp, "ext.o")
+        nb_obj = Path(tmp, "nanobind.o")
+        objs = [Path(tmp, source.stem + ".o") for source in SOURCES]
         lib = Path(tmp, MODULE + suffix)
         steps = [
             [cxx, "-std=c++17", *common, "-c", f"{p['nb']}/src/nb_combined.cpp", "-o", nb_obj],
-            [
-                cxx,
-                "-std=c++20",
-                "-march=native",
-                *common,
-                "-DNB_DOMAIN=mlx",  # mlx's own bindings' domain: mx.array passes through
-                f"-I{p['mlx_include']}",
-                "-c",
-                SOURCE,
-                "-o",
-                ext_obj,
-            ],
+            *(
+                [
+                    cxx,
+                    "-std=c++20",
+                    "-march=native",
+                    *common,
+                    "-DNB_DOMAIN=mlx",  # mlx's own bindings' domain: mx.array passes through
+                    f"-I{p['mlx_include']}",
+                    "-c",
+                    source,
+                    "-o",
+                    obj,
+                ]
+                for source, obj in zip(SOURCES, objs, strict=True)
+            ),
             [
                 cxx,
                 "-shared",
-                ext_obj,
+                *objs,
                 nb_obj,
                 f"-L{p['mlx_lib']}",
                 "-lmlx",
@@ -181,8 +188,8 @@ def load() -> ModuleType | None:
         reason = "no C++ compiler (install g++)"
     elif importlib.util.find_spec("nanobind") is None:
         reason = "nanobind is not installed (pip install nanobind)"
-    elif not SOURCE.is_file():
-        reason = f"its source is missing from the installed package ({SOURCE.name})"
+    elif missing := [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]:
+        reason = f"its source is missing from the installed package ({', '.join(missing)})"
     if reason:
         return None
     try:

@@ -129,12 +129,15 @@ def tree_pass(
                 f"layer {i}'s {type(c).__name__} cannot verify a token tree (full attention only)"
             )
     groups = depth_groups(depths, base)
+    positions = mx.array([base + d for d in depths], dtype=mx.int32)
     attentions = [m for _, m in model.named_modules() if callable(getattr(m, "rope", None))]
     saved = [(m.rope, getattr(m, "_macspec_rope", None)) for m in attentions]
-    for m, (rope, _) in zip(attentions, saved, strict=True):
+    for m, (rope, table) in zip(attentions, saved, strict=True):
         m.rope = _TreeRoPE(rope, groups)
         if hasattr(m, "_macspec_rope"):  # kernels.py's table RoPE: rotates consecutive rows
             m._macspec_rope = None
+            # its native path: rows rotated by position, up to the deepest's
+            m._macspec_tree = (table, positions, base + max(depths) + 1)
     for _, c in layers:
         c.make_mask = lambda *args, **kwargs: mask
     try:
@@ -142,8 +145,9 @@ def tree_pass(
     finally:
         for m, (rope, table) in zip(attentions, saved, strict=True):
             m.rope = rope
-            if table is not None:
+            if hasattr(m, "_macspec_tree"):
                 m._macspec_rope = table
+                del m._macspec_tree
         for _, c in layers:
             del c.make_mask
 

@@ -52,14 +52,23 @@ def diagnose() -> dict[str, Any]:
     }
     fmt = be.choose_weight_format(135_000_000, backend=backend, blas=blas, memory_bytes=memory)
     report["weight_format"] = {"dtype": fmt.dtype, "reason": fmt.reason}
-    report["layer_kernels"] = (
-        "macspec's (table RoPE, attention, SwiGLU with a compiled exp; llama/qwen2 layers)"
-        if backend == "cpu"
-        else "mlx's own mx.fast kernels"
-    )
+    report["layer_kernels"] = layer_kernels() if backend == "cpu" else "mlx's own mx.fast kernels"
     report["native_products"] = native_products() if backend == "cpu" else None
     report["advice"] = advice(report)
     return report
+
+
+def layer_kernels() -> str:
+    """Which of macspec's CPU layer kernels run: native primitives, or whole-array mlx ops."""
+    from ..engine import kernels, native
+
+    if kernels.native_layers() is not None:
+        return (
+            "macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to 16 rows, one "
+            "primitive each; llama/qwen2 layers)"
+        )
+    why = native.reason or f"{kernels.NATIVE_ENV}=0"
+    return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"
 
 
 def native_products() -> str:

@@ -34,199 +34,12 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
+#include "common.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
 namespace macspec {
-
-// ---------------------------------------------------------------- a small thread pool
-//
-// A job is a number of chunks that threads claim one at a time, so a worker that is late (its
-// core busy elsewhere) leaves its share to the others instead of holding everyone up. Workers
-// spin briefly between jobs (a decode step calls a product every few microseconds), then sleep
-// on a futex, so an idle process costs nothing.
-
-class Pool {
- public:
-  static Pool& get() {
-    static Pool pool;
-    pool.check_fork();
-    return pool;
-  }
-
-  int threads() const {
-    return nthreads_;
-  }
-
-  void set_threads(int n) {
-    std::lock_guard<std::mutex> lock(run_mutex_);
-    stop_workers();
-    nthreads_ = n < 1 ? 1 : n;
-    start_workers();
-  }
-
-  void set_spin_us(int us) {
-    spin_us_ = us < 0 ? 0 : us;
-  }
-
-  // Runs fn(c) for every chunk c in [0, chunks) and returns when all are done (chunks < 2^16).
-  void run(int chunks, const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> lock(run_mutex_, std::try_to_lock);
-    if (!lock.owns_lock() || nthreads_ == 1 || chunks == 1) {  // inline (or another stream
-      for (int c = 0; c < chunks; c++) {                       // holds the pool)
-        fn(c);
-      }
-      return;
-    }
-    job_ = &fn;
-    done_.store(0, std::memory_order_relaxed);
-    uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
-    state_.store(gen << 32 | uint64_t(chunks) << 16);  // publishes job_ and done_
-    wake();
-    int mine = claim_all(gen);
-    int spins = 0;
-    while (done_.load(std::memory_order_acquire) + mine < chunks) {
-      if (++spins < 4096) {
-        pause();
-      } else {
-        sched_yield();  // a worker holds a chunk but lost its core
-      }
-    }
-  }
-
- private:
-  Pool() {
-    nthreads_ = default_threads();
-    start_workers();
-  }
-  ~Pool() {
-    stop_workers();
-  }
-
-  static int default_threads() {
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-      return CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : 1;
-    }
-    return 1;
-  }
-
-  static inline void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-  }
-
-  // Claims and runs chunks of job `gen` until none is left; returns how many it ran. A claim
-  // is a compare-and-swap on the whole state, so a thread late from an earlier job can
-  // neither take a chunk of the next one unknowingly nor read its size out of date.
-  int claim_all(uint64_t gen) {
-    int ran = 0;
-    uint64_t s = state_.load(std::memory_order_acquire);
-    while (true) {
-      uint64_t chunks = (s >> 16) & 0xffff, next = s & 0xffff;
-      if ((s >> 32) != gen || next >= chunks) {
-        return ran;
-      }
-      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
-        (*job_)((int)next);
-        ran++;
-        s = state_.load(std::memory_order_acquire);
-      }
-    }
-  }
-
-  // Sleeping and waking (seq_cst on both sides: either the waker sees a sleeper, or the
-  // sleeper sees the new job before it waits).
-  void sleep_until_changed(uint64_t seen) {
-    std::unique_lock<std::mutex> lock(sleep_mutex_);
-    sleepers_.fetch_add(1);
-    wake_cv_.wait(lock, [&] { return (state_.load() >> 32) != seen; });
-    sleepers_.fetch_sub(1);
-  }
-
-  void wake() {
-    if (sleepers_.load() > 0) {
-      std::lock_guard<std::mutex> lock(sleep_mutex_);
-      wake_cv_.notify_all();
-    }
-  }
-
-  void check_fork() {
-    if (pid_ != getpid()) {  // a forked child has no workers: start its own
-      for (auto& t : workers_) {
-        t.detach();
-      }
-      workers_.clear();
-      start_workers();
-    }
-  }
-
-  void start_workers() {
-    pid_ = getpid();
-    stop_ = false;
-    // The generation is read here, not in the new thread: a stop that comes before the thread
-    // runs must still be seen as a change.
-    uint64_t seen = state_.load() >> 32;
-    for (int i = 1; i < nthreads_; i++) {
-      workers_.emplace_back([this, seen] { work(seen); });
-    }
-  }
-
-  void stop_workers() {
-    stop_ = true;
-    state_.fetch_add(uint64_t(1) << 32);
-    wake();
-    for (auto& t : workers_) {
-      if (t.joinable()) {
-        t.join();
-      }
-    }
-    workers_.clear();
-  }
-
-  void work(uint64_t seen) {
-    while (true) {
-      auto start = std::chrono::steady_clock::now();
-      int spins = 0;
-      uint64_t s;
-      while (((s = state_.load(std::memory_order_acquire)) >> 32) == seen) {
-        if ((++spins & 255) == 0 &&
-            std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_us_)) {
-          sleep_until_changed(seen);
-          start = std::chrono::steady_clock::now();
-        }
-        pause();
-      }
-      if (stop_) {
-        return;
-      }
-      seen = s >> 32;
-      int ran = claim_all(seen);
-      if (ran) {
-        done_.fetch_add(ran, std::memory_order_acq_rel);
-      }
-    }
-  }
-
-  int nthreads_ = 1;
-  // Short: on a 2-core CPU a spinning worker takes the core Python builds the graph on.
-  int spin_us_ = 20;
-  pid_t pid_ = 0;
-  std::atomic<bool> stop_{false};
-  // job generation << 32 | its number of chunks << 16 | the next chunk to claim
-  std::atomic<uint64_t> state_{0};
-  std::atomic<int> done_{0};  // chunks the workers finished
-  const std::function<void(int)>* job_ = nullptr;
-  std::vector<std::thread> workers_;
-  std::mutex run_mutex_;
-  std::mutex sleep_mutex_;
-  std::condition_variable wake_cv_;
-  std::atomic<int> sleepers_{0};
-};
 
 // ---------------------------------------------------------------- kernels
 
@@ -663,19 +476,6 @@ static inline int chunk_rows(int N, int row_bytes) {
 
 // ---------------------------------------------------------------- the primitive
 
-// A row-contiguous float32 copy of x (or x itself), as (rows, K).
-static const float* rows_of(const mx::array& x, std::vector<float>& scratch) {
-  if (x.flags().row_contiguous) {
-    return x.data<float>();
-  }
-  scratch.resize(x.size());
-  const float* src = x.data<float>();
-  for (size_t i = 0; i < x.size(); i++) {
-    scratch[i] = src[mx::elem_to_loc(static_cast<int>(i), x)];
-  }
-  return scratch.data();
-}
-
 class SmallLinear : public mx::UnaryPrimitive {
  public:
   SmallLinear(mx::Stream stream, int bits, int group_size)
@@ -842,10 +642,13 @@ mx::array qlinear(
       {x, w, scales, biases});
 }
 
+void bind_layer(nb::module_& m);  // cpu_layer.cpp
+
 }  // namespace macspec
 
 NB_MODULE(_macspec_cpu, m) {
-  m.doc() = "macspec's CPU matrix products for a few rows (see cpu_linear.cpp)";
+  m.doc() = "macspec's CPU kernels: products for a few rows, and the rest of a decoder layer";
+  macspec::bind_layer(m);
   m.def("linear", &macspec::linear, nb::arg("x"), nb::arg("w"));
   m.def(
       "qlinear",
