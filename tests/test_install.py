@@ -76,7 +76,10 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     assert "macspec/data/catalog.json" in names
     assert {f"macspec/data/default-draft/{n}" for n in DRAFT_FILES} <= names
     assert "macspec/ui/chat.tcss" in names
-    assert "macspec/engine/csrc/cpu_linear.cpp" in names  # built on the user's machine
+    # the native kernels' sources, built on the user's machine
+    assert {
+        f"macspec/engine/csrc/{n}" for n in ("cpu_linear.cpp", "cpu_layer.cpp", "common.h")
+    } <= names
 
 
 def _default_home() -> Path:
