@@ -248,17 +248,16 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
     it does not know (arrays, windows) and quantized caches take mlx-lm's own path."""
     b, length, _ = x.shape
     offset = 0 if cache is None else cache.offset
-    rope = self._macspec_rope
     ext = native_layers()
+    # a tree pass (tree.tree_pass): its table, positions, their end, and a boolean mask
     tree = getattr(self, "_macspec_tree", None)
-    if tree is not None:  # a tree pass: its table, positions, their end and a boolean mask
-        rope = tree[0]
+    table = tree[0] if tree is not None else self._macspec_rope
     if (
         ext is not None
         and b == 1
         and length <= products.MAX_ROWS
         and x.dtype == mx.float32
-        and isinstance(rope, TableRoPE)
+        and isinstance(table, TableRoPE)
         and isinstance(offset, int)
         and (
             (tree is None and (mask is None or isinstance(mask, str)))
@@ -266,12 +265,11 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
         )
         and not hasattr(cache, "bits")
     ):
-        return _native_attention(self, ext, rope, x, offset, mask, cache, tree)
-    rope = self._macspec_rope
+        return _native_attention(self, ext, table, x, offset, mask, cache, tree)
     q = self.q_proj(x).reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if isinstance(offset, int) and isinstance(rope, TableRoPE):
+    if isinstance(offset, int) and isinstance(self._macspec_rope, TableRoPE):
         q, k = self._macspec_rope.pair(q, k, offset)
     else:  # a scaled RoPE variant, or per-sequence offsets: mlx-lm's own module
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)

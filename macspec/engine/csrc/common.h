@@ -19,6 +19,7 @@
 
 #include "mlx/array.h"
 #include "mlx/backend/common/utils.h"
+#include "mlx/stream.h"
 
 namespace macspec {
 
@@ -212,6 +213,11 @@ class Pool {
   std::atomic<int> sleepers_{0};
 };
 
+
+// The stream every macspec primitive runs on.
+inline mx::Stream cpu_stream() {
+  return mx::default_stream(mx::Device(mx::Device::cpu));
+}
 
 // A row-contiguous float32 copy of x (or x itself), as (rows, K).
 inline const float* rows_of(const mx::array& x, std::vector<float>& scratch) {

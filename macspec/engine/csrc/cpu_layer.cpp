@@ -78,10 +78,6 @@ static inline f8 exp8(f8 x) {
   return t > lo ? p * scale : f8{};
 }
 
-static mx::Stream cpu_stream() {
-  return mx::default_stream(mx::Device(mx::Device::cpu));
-}
-
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[macspec] float32 ") + what);

@@ -604,10 +604,6 @@ class SmallLinear : public mx::UnaryPrimitive {
   int group_size_;
 };
 
-static mx::Stream cpu_stream() {
-  return mx::default_stream(mx::Device(mx::Device::cpu));
-}
-
 mx::array linear(const mx::array& x, const mx::array& w) {
   if (x.dtype() != mx::float32 || w.dtype() != mx::float32 || w.ndim() != 2 ||
       x.shape(-1) != w.shape(1)) {
