@@ -60,12 +60,12 @@ def diagnose() -> dict[str, Any]:
 
 def layer_kernels() -> str:
     """Which of macspec's CPU layer kernels run: native primitives, or whole-array mlx ops."""
-    from ..engine import kernels, native
+    from ..engine import kernels, native, products
 
     if kernels.native_layers() is not None:
         return (
-            "macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to 16 rows, one "
-            "primitive each; llama/qwen2 layers)"
+            f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to "
+            f"{products.MAX_ROWS} rows, one primitive each; llama/qwen2 layers)"
         )
     why = native.reason or f"{kernels.NATIVE_ENV}=0"
     return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"
@@ -81,7 +81,7 @@ def native_products() -> str:
         return f"off: {native.reason}; mlx's own products (BLAS, scalar quantized)"
     if not products.enabled():
         return f"off: {products.OFF_ENV}=0; mlx's own products (BLAS, scalar quantized)"
-    return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to 16 rows)"
+    return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to {products.MAX_ROWS} rows)"
 
 
 def advice(report: dict[str, Any]) -> list[str]:
