@@ -90,6 +90,11 @@ def test_greedy_speculation_equals_mlx_lm_greedy(zoo_dirs, arch):
     ngram = macspec.load(target, drafter="ngram")
     _equal_to_reference(ngram, ref, num_draft=3, adaptive=False)
     _equal_to_reference(ngram, ref)
+    # Plain decoding, each step launched before the last id is read; again from the states the
+    # first left in the prompt cache (the step launched past the end taken back).
+    plain = macspec.load(target)
+    _equal_to_reference(plain, ref, speculative=False)
+    assert _equal_to_reference(plain, ref, speculative=False).stats.cached_tokens > 0
 
 
 @pytest.mark.parametrize("arch", sorted(REFUSED))

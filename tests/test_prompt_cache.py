@@ -35,20 +35,23 @@ def fresh(pair, ids, **options):
     return run(pair, ids, None, **options).tokens
 
 
-def test_turns_reuse_the_cache_and_give_the_fresh_tokens(arch_pair):
+# Plain decoding launches each step before it reads the last id: a step launched past the end
+# must be taken back before the states are kept.
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+def test_turns_reuse_the_cache_and_give_the_fresh_tokens(arch_pair, speculative):
     arch, pair = arch_pair
     cache = PromptCache()
     prompt = archzoo.make_prompt(0)
-    first = run(pair, prompt, cache)
+    first = run(pair, prompt, cache, speculative=speculative)
     assert first.tokens == fresh(pair, prompt)
     assert first.stats.cached_tokens == 0
     # The next turn extends the whole context: every layer kind goes on from where it was.
     turn = prompt + first.tokens + archzoo.make_prompt(1, 10)
-    second = run(pair, turn, cache)
+    second = run(pair, turn, cache, speculative=speculative)
     assert second.tokens == fresh(pair, turn)
     assert second.stats.cached_tokens == len(prompt) + len(first.tokens) - 1
     # The same prompt again: the prefill's checkpoint (window, recurrent) or a rewind.
-    again = run(pair, prompt, cache)
+    again = run(pair, prompt, cache, speculative=speculative)
     assert again.tokens == first.tokens
     assert again.stats.cached_tokens == len(prompt) - 1
 
@@ -69,9 +72,11 @@ def test_a_prompt_that_leaves_the_answer_early(arch_pair):
         assert got.stats.cached_tokens == len(prompt) - 1
 
 
-def test_interleaved_generations_from_one_entry(arch_pair):
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "plain"])
+def test_interleaved_generations_from_one_entry(arch_pair, speculative):
     """Two generations restored from the same entry, advanced round by round in turn, write into
-    their own caches only: each gives the tokens it gives alone."""
+    their own caches only (plain ones with a step launched ahead in each): each gives the tokens
+    it gives alone."""
     _, pair = arch_pair
     cache = PromptCache()
     prompt = archzoo.make_prompt(4)
@@ -79,7 +84,8 @@ def test_interleaved_generations_from_one_entry(arch_pair):
     a = prompt + first.tokens + archzoo.make_prompt(5, 8)
     b = prompt + first.tokens + archzoo.make_prompt(6, 8)
     pair.prompt_cache = cache
-    streams = [macspec.stream_generate(pair, ids, **GREEDY) for ids in (a, b)]
+    options = {**GREEDY, "speculative": speculative}
+    streams = [macspec.stream_generate(pair, ids, **options) for ids in (a, b)]
     out = [[], []]
     live = [0, 1]
     while live:

@@ -285,6 +285,8 @@ def _check_divisible(model: nn.Module, path: Path, size: int) -> None:
 class LeaderTarget(Target):
     """Rank 0's target: each operation is first sent to the other ranks, which mirror it."""
 
+    takes_lazy_ids = False  # the ids travel to the other ranks as a list
+
     def __init__(
         self,
         link: Link,

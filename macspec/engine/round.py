@@ -68,6 +68,9 @@ class Target:
     it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does);
     with `taps`, the outputs of those decoder layers come first, the final features last."""
 
+    # logits() can be fed ids still being computed, so plain decoding runs a step ahead.
+    takes_lazy_ids = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -262,8 +265,14 @@ def speculative_round(
 
 def plain_step(target: Target, last: int, dist: DistFn, key: mx.array) -> int:
     """One ordinary decoding step with the same sampling distribution."""
-    p = dist(target.logits(mx.array([last])), None, 0)
-    return sample(p, key).item()
+    return next_id(target, mx.array([last]), dist, key).item()
+
+
+def next_id(
+    target: Target, last: mx.array, dist: DistFn, key: mx.array, rewindable: bool = False
+) -> mx.array:
+    """The id after `last` (a 1-element array, possibly not computed yet), as a lazy array."""
+    return sample(dist(target.logits(last, rewindable), None, 0), key)
 
 
 def decode(
@@ -308,6 +317,11 @@ def decode(
     prefill_time = perf_counter() - t0
     generated = 0
     steady = True  # the states hold `history` (less its last id): they may be kept
+    # Plain decoding builds and starts the next step before reading this one's id (as mlx-lm
+    # does), when the next step's distribution does not depend on that id's value.
+    ahead_ok = drafter is None and target.takes_lazy_ids and not make_dist(opts, []).needs_history
+    ahead: mx.array | None = None  # the next id, launched from a lazy `history[-1]`
+    ready = perf_counter()  # when the latest id was read
     try:
         while True:
             room = min(max_tokens - generated, context_length - len(history))
@@ -316,7 +330,8 @@ def decode(
             if drafter is not None and generated > 0:
                 k = policy.next_k(drafter.label())
                 k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
-            key, subkey = mx.random.split(key)
+            if ahead is None:  # (a step launched ahead used this round's key)
+                key, subkey = mx.random.split(key)
             dist = make_dist(opts, history)
             steady = False
             t0 = perf_counter()
@@ -335,6 +350,22 @@ def decode(
                     target, drafter, history[-1], k, dist, subkey
                 )
                 policy.observe(len(drafts), n)
+            elif ahead_ok:
+                # The pass runs while the next is built: its cost is the time between ids.
+                since = t0 if ahead is None else ready
+                y = ahead
+                if y is None:
+                    y = next_id(target, mx.array(history[-1:]), dist, subkey)
+                mx.async_eval(y)
+                ahead = None
+                if room > 1:
+                    key, subkey = mx.random.split(key)
+                    ahead = next_id(target, y, dist, subkey, rewindable=True)
+                    mx.async_eval(ahead)
+                token = y.item()
+                ready = perf_counter()
+                drafts, n, draft_time, verify_time = [], 0, 0.0, ready - since
+                timing.observe_plain_step(verify_time)
             else:
                 token = plain_step(target, history[-1], dist, subkey)
                 drafts, n, draft_time = [], 0, 0.0
@@ -342,7 +373,7 @@ def decode(
                 timing.observe_plain_step(verify_time)
                 if drafter is not None:
                     drafter.commit(0, 0, [token], target.hidden)
-            round_time = perf_counter() - t0
+            round_time = verify_time if ahead_ok else perf_counter() - t0
 
             emitted = (drafts[:n] + [token])[:room]
             history += emitted
@@ -375,6 +406,8 @@ def decode(
             if finish:
                 return
     finally:
+        if ahead is not None and steady:  # a step launched past the end: never read
+            target.trim_to(len(history) - 1)
         # Finished, or closed between rounds: keep the states for the next prompt.
         if prompt_cache is not None and steady:
             prompt_cache.save(history, target.cache, drafter)
