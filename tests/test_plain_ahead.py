@@ -1,15 +1,18 @@
-"""Plain decoding one step ahead (engine/round.py): the next step is built and started from the
-id still being computed. The tokens are those of one step at a time (same keys, same ids), the
-caches end holding exactly the context, and the statistical test fails on a broken key order."""
+"""Plain steps one pass ahead (engine/round.py): a plain step starts the pass over its id before
+reading it (Target.launch), and the next round, plain or speculative, uses that pass as its
+first row. The tokens are those of one step at a time, the caches end holding exactly the
+context, and the statistical tests fail on a launched pass whose logits are stale."""
 
 import mlx.core as mx
 import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
-import macspec.engine.round as engine
+from macspec import api
+from macspec.engine import caches
 from macspec.engine.round import Target, Timing, decode
 from macspec.engine.sampling import SamplingOptions
+from macspec.errors import CacheError
 
 
 def plain_decode(pair, prompt, opts, *, max_tokens=20, eos=(), key=5):
@@ -39,16 +42,16 @@ def endless(tiny_dirs):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """How many steps were launched ahead (the only passes made rewindable in plain decoding)."""
-    calls = []
-    real = engine.next_id
+    """The ids each launched pass fed (lazy arrays)."""
+    fed = []
+    real = Target.launch
 
-    def spy(target, last, dist, key, rewindable=False):
-        calls.append(rewindable)
-        return real(target, last, dist, key, rewindable)
+    def spy(self, last):
+        fed.append(last)
+        real(self, last)
 
-    monkeypatch.setattr(engine, "next_id", spy)
-    return calls
+    monkeypatch.setattr(Target, "launch", spy)
+    return fed
 
 
 def one_at_a_time(monkeypatch):
@@ -65,21 +68,24 @@ OPTIONS = [
 def test_the_same_tokens_as_one_step_at_a_time(endless, monkeypatch, launches, options):
     options = {"max_tokens": 40, "speculative": False, "seed": 9, **options}
     ahead = macspec.generate(endless, "Once upon", **options)
-    assert launches.count(True) == 39  # every step but the first was launched ahead
+    assert len(launches) == 39  # every step's pass but the first was launched
     one_at_a_time(monkeypatch)
     launches.clear()
     alone = macspec.generate(endless, "Once upon", **options)
-    assert True not in launches
+    assert not launches
     assert ahead.tokens == alone.tokens
     assert len(ahead.tokens) == 40
 
 
-def test_a_repetition_penalty_decodes_one_step_at_a_time(pair, launches):
-    """Its distribution depends on the previous id's value, which a step ahead does not have."""
-    options = {"max_tokens": 12, "speculative": False, "repetition_penalty": 1.3}
-    r = macspec.generate(pair, "Once upon", **options)
-    assert len(r.tokens) == 12
-    assert True not in launches
+def test_a_repetition_penalty_is_applied_with_the_ids_read(endless, monkeypatch, launches):
+    """The penalty needs the previous id's value: it is applied when the launched pass's logits
+    are sampled, in the next round, with the ids read by then."""
+    options = {"max_tokens": 24, "speculative": False, "seed": 4, "temperature": 1.0}
+    options["repetition_penalty"] = 1.8
+    ahead = macspec.generate(endless, "Once upon", **options)
+    assert len(launches) == 23
+    one_at_a_time(monkeypatch)
+    assert macspec.generate(endless, "Once upon", **options).tokens == ahead.tokens
 
 
 def test_the_cache_holds_the_context_after_every_step(pair):
@@ -88,32 +94,45 @@ def test_the_cache_holds_the_context_after_every_step(pair):
     history = list(prompt)
     for r in rounds:
         history += r.emitted
-        # Between rounds the next step has been launched: the cache is one id further on.
-        assert target.offset == len(history) - (1 if r.finish_reason else 0)
-        assert r.round_time > 0 and r.verify_time == r.round_time
+        assert target.offset == len(history) - 1
+        # Between rounds the next pass has been launched: the layers hold one id more.
+        assert caches.length(target.cache) == len(history) - (1 if r.finish_reason else 0)
+        assert r.round_time >= r.verify_time > 0
     assert len(history) == len(prompt) + 20
-    assert target.offset == len(history) - 1  # the finished generation launched nothing more
+    assert target.ahead is None  # the last step launched nothing
 
 
-def test_a_step_launched_past_the_end_is_taken_back(pair):
+def test_a_pass_launched_past_the_end_is_taken_back(pair):
     prompt = pair.tokenizer.encode("Once upon")
     opts = SamplingOptions(temperature=0.0)
     _, rounds = plain_decode(pair, prompt, opts, max_tokens=30)
     tokens = [t for r in rounds for t in r.emitted]
-    # The 6th id as the end of text: the step after it was already running when it was read.
+    # The 6th id as the end of text: the pass after it was already running when it was read.
     target, rounds = plain_decode(pair, prompt, opts, max_tokens=30, eos={tokens[5]})
     emitted = [t for r in rounds for t in r.emitted]
     assert emitted == tokens[: tokens.index(tokens[5])]
-    assert target.offset == len(prompt) + len(emitted)  # the context, the end id included
+    assert target.ahead is None
+    assert caches.length(target.cache) == len(prompt) + len(emitted)  # the end id included
     # Closed between rounds by the consumer (a stop string, a client gone).
     target, rounds = plain_decode(pair, prompt, opts, max_tokens=30)
     for _ in range(3):
         next(rounds)
     rounds.close()
-    assert target.offset == len(prompt) + 3 - 1
+    assert target.ahead is None
+    assert caches.length(target.cache) == len(prompt) + 3 - 1
     # What the cache holds is the context: the next step gives the 4th id.
     logits = target.logits(mx.array([tokens[2]]))
     assert mx.argmax(logits[-1]).item() == tokens[3]
+
+
+def test_a_launched_pass_must_have_fed_the_id_read(pair):
+    prompt = pair.tokenizer.encode("Once upon")
+    target = Target(pair.target, pair.vocab_size)
+    target.start(prompt)
+    target.launch(mx.array([7]))
+    assert target.offset == len(prompt) - 1
+    with pytest.raises(CacheError, match="fed id 7, not 8"):
+        target.logits(mx.array([8, 9]))
 
 
 def test_a_sharded_target_is_fed_ids_it_can_send():
@@ -123,25 +142,73 @@ def test_a_sharded_target_is_fed_ids_it_can_send():
     assert Target.takes_lazy_ids and not LeaderTarget.takes_lazy_ids
 
 
-def test_plain_sampling_is_distributed_as_the_target(small_pair, launches):
-    expected = exact_joint(small_pair, [3, 4, 5, 3], 3, temperature=1.0)
-    counts = sample_prefixes(small_pair, [3, 4, 5, 3], 3, 1000, speculative=False, temperature=1.0)
-    assert chi_square(expected, counts) > 1e-3
-    assert True in launches
+class Alternate:
+    """Plain, then k drafts, in turn, each plain step launching the pass the speculative round
+    then starts from."""
+
+    max_k = 2
+
+    def __init__(self):
+        self.turn = 0
+
+    def next_k(self, label=None):
+        self.turn += 1
+        return 0 if self.turn % 2 else 2
+
+    def observe(self, k, accepted):
+        pass
+
+    def expects_plain(self):
+        return True
 
 
-def test_the_test_detects_steps_that_share_a_key(small_pair, monkeypatch):
-    """A step launched ahead with the key of the step before it: the ids are no longer drawn
-    independently, and the statistical test above must see it."""
-    real = engine.next_id
-    last_key = {}
+def stale_launches(monkeypatch):
+    """A broken launch: its pass runs, but the next round is handed the launch before's."""
+    real = Target.launch
+    memo = {}
 
-    def shared(target, last, dist, key, rewindable=False):
-        key = last_key.get("key", key) if rewindable else key
-        last_key["key"] = key
-        return real(target, last, dist, key, rewindable)
+    def stale(self, last):
+        real(self, last)
+        logits, hidden, fed = self.ahead
+        previous = memo.get("logits")
+        memo["logits"] = logits
+        if previous is not None:
+            self.ahead = (previous, hidden, fed)
 
-    monkeypatch.setattr(engine, "next_id", shared)
-    expected = exact_joint(small_pair, [3, 4, 5, 3], 3, temperature=1.0)
-    counts = sample_prefixes(small_pair, [3, 4, 5, 3], 3, 1000, speculative=False, temperature=1.0)
-    assert chi_square(expected, counts) < 1e-3
+    monkeypatch.setattr(Target, "launch", stale)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["launched", "stale"])
+def test_plain_sampling_is_distributed_as_the_target(small_pair, launches, monkeypatch, broken):
+    if broken:
+        stale_launches(monkeypatch)
+    prompt = [3, 4, 5, 3]
+    expected = exact_joint(small_pair, prompt, 3, temperature=1.0)
+    counts = sample_prefixes(small_pair, prompt, 3, 1000, speculative=False, temperature=1.0)
+    assert (chi_square(expected, counts) > 1e-3) != broken
+    assert launches or broken
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["launched", "stale"])
+def test_speculative_rounds_after_launched_passes_are_exact(
+    small_pair, launches, monkeypatch, broken
+):
+    """Plain step (launching), 2 drafts verified from the launched pass, plain step, ...: the
+    first 4 ids are distributed as the target's own, and the test sees a stale launch."""
+    monkeypatch.setattr(api, "_fixed", lambda opts: Alternate())
+    if broken:
+        stale_launches(monkeypatch)
+    prompt = [3, 4, 5, 3]
+    options = {"temperature": 1.0, "adaptive": False, "num_draft": 2}
+    expected = exact_joint(small_pair, prompt, 4, temperature=1.0)
+    counts = sample_prefixes(small_pair, prompt, 4, 1000, **options)
+    assert (chi_square(expected, counts) > 1e-3) != broken
+
+
+def test_greedy_speculation_from_launched_passes_equals_plain(endless, monkeypatch, launches):
+    plain = macspec.generate(endless, "Once upon", max_tokens=40, speculative=False)
+    monkeypatch.setattr(api, "_fixed", lambda opts: Alternate())
+    spec = macspec.generate(endless, "Once upon", max_tokens=40, adaptive=False)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.speculative_rounds >= 10
+    assert len(launches) >= 10 + 39

@@ -49,6 +49,9 @@ def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16))
     cycle = [0, *widths]
     rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
     plain = median(r.verify_time for r in rounds if r.num_draft == 0)
+    # Plain decoding launches each step's pass before reading its id (engine/round.py): what
+    # drafting must beat is a step of a run of them, not one between passes.
+    ahead = median(r.verify_time for r in run(_Filler(drafter), [0] * 6)[3:])
     # A pass is priced whole: the filler's "draft time" is the verification graph's build,
     # which only a draft model's computation hides (engine.speculative_round).
     passes = tuple(
@@ -62,7 +65,7 @@ def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16))
     if pair.drafter_kind != "ngram":  # arbitrary ids never repeat: the model drafts every round
         rounds = [r for r in run(drafter, [k] * 5) if r.num_draft]
         draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
-    return Costs(plain_step=plain, draft_step=draft, extra=extra, verify=passes)
+    return Costs(plain_step=min(plain, ahead), draft_step=draft, extra=extra, verify=passes)
 
 
 class _Schedule:
@@ -77,6 +80,9 @@ class _Schedule:
 
     def observe(self, k: int, accepted: int) -> None:
         pass
+
+    def expects_plain(self) -> bool:
+        return bool(self.ks) and self.ks[0] == 0
 
 
 class _Filler:

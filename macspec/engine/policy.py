@@ -28,6 +28,10 @@ class Policy(Protocol):
     def observe(self, k: int, accepted: int) -> None:
         """How many of the last speculative round's k drafts were accepted."""
 
+    def expects_plain(self) -> bool:
+        """After a plain step: whether the next round will be one too if its label is the
+        last one's (its pass may then start before this step's id is read)."""
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -61,18 +65,23 @@ class FixedTree:
     chain of the tree's depth): for comparisons and tests."""
 
     shape: TreeShape
+    _nothing: bool = False  # the last label said there was nothing to propose
 
     @property
     def max_k(self) -> int:
         return self.shape.max_k
 
     def next_k(self, label: Label = None) -> int | TreeShape:
+        self._nothing = label == 0
         if label == 0:
             return 0
         return self.shape if label is None else self.shape.depth
 
     def observe(self, k: int, accepted: int) -> None:
         pass
+
+    def expects_plain(self) -> bool:
+        return self._nothing
 
     def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
         pass
@@ -84,16 +93,21 @@ class FixedK:
     propose) is a plain step."""
 
     k: int
+    _nothing: bool = False  # the last label said there was nothing to propose
 
     @property
     def max_k(self) -> int:
         return self.k
 
     def next_k(self, label: Label = None) -> int:
+        self._nothing = label == 0
         return 0 if label == 0 else self.k
 
     def observe(self, k: int, accepted: int) -> None:
         pass
+
+    def expects_plain(self) -> bool:
+        return self._nothing
 
 
 @dataclass
@@ -224,6 +238,9 @@ class AdaptiveK:
         if k > 0:
             self.arm(self._last).observe(k, accepted)
 
+    def expects_plain(self) -> bool:
+        return self._last == 0 or self.arm(self._last).skips_left > 0
+
 
 # Copied n-gram ids cost no draft time, so a copy may run to this many times num_draft: a long
 # match (16+ ids) is followed ~93% of the time, and on a CPU a pass over 17 ids costs ~2 steps.
@@ -303,6 +320,9 @@ class AdaptiveTree:
 
     def observe(self, k: int, accepted: int) -> None:
         self.chain.observe(k, accepted)
+
+    def expects_plain(self) -> bool:
+        return self.chain.expects_plain()
 
     def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
         if self._last is None:

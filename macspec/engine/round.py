@@ -68,7 +68,7 @@ class Target:
     it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does);
     with `taps`, the outputs of those decoder layers come first, the final features last."""
 
-    # logits() can be fed ids still being computed, so plain decoding runs a step ahead.
+    # launch() can feed an id still being computed, so plain steps run one pass ahead.
     takes_lazy_ids = True
 
     def __init__(
@@ -87,6 +87,8 @@ class Target:
         self.name = name  # for errors
         # (positions, (len(taps) + 1) * hidden_size) of the last forward pass
         self.hidden: mx.array | None = None
+        # A pass launched ahead: (its logits, its hidden states, the id it fed).
+        self.ahead: tuple[mx.array, mx.array | None, mx.array] | None = None
 
     def start(self, prompt: list[int], max_step: int = 1, cache: list | None = None) -> None:
         """Prefill all but the prompt's last id; later passes of up to `max_step` ids can be
@@ -107,13 +109,40 @@ class Target:
 
     @property
     def offset(self) -> int:
+        """Ids the context holds (an id launched ahead is not yet part of it)."""
         try:
-            return caches.length(self.cache)
+            return caches.length(self.cache) - (self.ahead is not None)
         except CacheError as e:
             raise CacheError(f"{self.name}: {e}") from None
 
+    def launch(self, last: mx.array) -> None:
+        """Start the pass over `last` (one id, possibly still being computed) now: the next
+        logits() whose first id it is uses this pass for its first row (rows are computed
+        alone, so the logits are those of one pass). Taken back by trim_to()."""
+        kept, self.hidden = self.hidden, None
+        logits = self._pass(last, rewindable=True)
+        self.ahead, self.hidden = (logits, self.hidden, last), kept
+        mx.async_eval(logits)
+
     def logits(self, tokens: mx.array, rewindable: bool = False) -> mx.array:
-        """Logits for `tokens` fed after the cache; a `rewindable` pass can be taken back."""
+        """Logits for `tokens` fed after the context; a `rewindable` pass can be taken back."""
+        if self.ahead is None:
+            return self._pass(tokens, rewindable)
+        head, hidden, fed = self.ahead
+        self.ahead = None
+        if fed.item() != tokens[0].item():
+            raise CacheError(
+                f"{self.name}: a pass launched ahead fed id {fed.item()}, not {tokens[0].item()}"
+            )
+        if tokens.size == 1:
+            self.hidden = hidden
+            return head
+        rest = self._pass(tokens[1:], rewindable)
+        if self.keep_hidden:
+            self.hidden = mx.concatenate([hidden, self.hidden])
+        return mx.concatenate([head, rest])
+
+    def _pass(self, tokens: mx.array, rewindable: bool) -> mx.array:
         with caches.forward(self.cache, tokens.size, rewindable):
             if not self.keep_hidden:
                 return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
@@ -122,7 +151,9 @@ class Target:
         return output_head(self.model, final)[:, : self.vocab_size]
 
     def trim_to(self, length: int) -> None:
-        """Every layer back to exactly `length` tokens, or CacheError naming the model."""
+        """Every layer back to exactly `length` tokens (a pass launched ahead dropped), or
+        CacheError naming the model."""
+        self.ahead = None
         try:
             caches.rewind(self.cache, length)
         except CacheError as e:
@@ -263,16 +294,14 @@ def speculative_round(
             drafter.abort(k)
 
 
-def plain_step(target: Target, last: int, dist: DistFn, key: mx.array) -> int:
-    """One ordinary decoding step with the same sampling distribution."""
-    return next_id(target, mx.array([last]), dist, key).item()
-
-
-def next_id(
-    target: Target, last: mx.array, dist: DistFn, key: mx.array, rewindable: bool = False
-) -> mx.array:
-    """The id after `last` (a 1-element array, possibly not computed yet), as a lazy array."""
-    return sample(dist(target.logits(last, rewindable), None, 0), key)
+def plain_step(target: Target, last: int, dist: DistFn, key: mx.array, ahead: bool = False) -> int:
+    """One ordinary decoding step with the same sampling distribution. `ahead`: the pass over
+    the sampled id starts before the id is read (Target.launch), while Python waits for it."""
+    token = sample(dist(target.logits(mx.array([last])), None, 0), key)
+    if ahead:
+        mx.async_eval(token)  # computed while Python builds the next pass
+        target.launch(token)
+    return token.item()
 
 
 def decode(
@@ -299,7 +328,8 @@ def decode(
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     t0 = perf_counter()
-    max_step = policy.max_k + 1  # the widest pass a round may take back
+    # The widest pass a round may take back (one more: a launched pass, if the round fails).
+    max_step = policy.max_k + 1 + target.takes_lazy_ids
     kept = None
     if prompt_cache is not None:
         max_step = max(max_step, prompt_cache.min_step)  # window rings that rewind further
@@ -317,11 +347,10 @@ def decode(
     prefill_time = perf_counter() - t0
     generated = 0
     steady = True  # the states hold `history` (less its last id): they may be kept
-    # Plain decoding builds and starts the next step before reading this one's id (as mlx-lm
-    # does), when the next step's distribution does not depend on that id's value.
-    ahead_ok = drafter is None and target.takes_lazy_ids and not make_dist(opts, []).needs_history
-    ahead: mx.array | None = None  # the next id, launched from a lazy `history[-1]`
-    ready = perf_counter()  # when the latest id was read
+    # A plain step starts the pass over its id before reading it (Target.launch), as mlx-lm
+    # does, when the next round is expected to be plain too: that pass is then its first row.
+    can_launch = target.takes_lazy_ids
+    ready = perf_counter()  # when the latest ids were read
     try:
         while True:
             room = min(max_tokens - generated, context_length - len(history))
@@ -330,13 +359,15 @@ def decode(
             if drafter is not None and generated > 0:
                 k = policy.next_k(drafter.label())
                 k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
-            if ahead is None:  # (a step launched ahead used this round's key)
-                key, subkey = mx.random.split(key)
+            key, subkey = mx.random.split(key)
             dist = make_dist(opts, history)
             steady = False
-            t0 = perf_counter()
+            # A launched pass has run since the last ids were read: its time is this round's.
+            t0 = ready if target.ahead is not None else perf_counter()
             rows = 0
             if isinstance(k, TreeShape):
+                if target.ahead is not None:  # a tree's root is in its own pass
+                    target.trim_to(target.offset)
                 tr, path, token, draft_time, verify_time = tree_round(
                     target, drafter, history[-1], k, dist, subkey
                 )
@@ -350,30 +381,16 @@ def decode(
                     target, drafter, history[-1], k, dist, subkey
                 )
                 policy.observe(len(drafts), n)
-            elif ahead_ok:
-                # The pass runs while the next is built: its cost is the time between ids.
-                since = t0 if ahead is None else ready
-                y = ahead
-                if y is None:
-                    y = next_id(target, mx.array(history[-1:]), dist, subkey)
-                mx.async_eval(y)
-                ahead = None
-                if room > 1:
-                    key, subkey = mx.random.split(key)
-                    ahead = next_id(target, y, dist, subkey, rewindable=True)
-                    mx.async_eval(ahead)
-                token = y.item()
-                ready = perf_counter()
-                drafts, n, draft_time, verify_time = [], 0, 0.0, ready - since
-                timing.observe_plain_step(verify_time)
             else:
-                token = plain_step(target, history[-1], dist, subkey)
+                ahead = can_launch and room > 1 and (drafter is None or policy.expects_plain())
+                token = plain_step(target, history[-1], dist, subkey, ahead)
                 drafts, n, draft_time = [], 0, 0.0
                 verify_time = perf_counter() - t0
                 timing.observe_plain_step(verify_time)
                 if drafter is not None:
                     drafter.commit(0, 0, [token], target.hidden)
-            round_time = verify_time if ahead_ok else perf_counter() - t0
+            ready = perf_counter()
+            round_time = ready - t0
 
             emitted = (drafts[:n] + [token])[:room]
             history += emitted
@@ -406,8 +423,8 @@ def decode(
             if finish:
                 return
     finally:
-        if ahead is not None and steady:  # a step launched past the end: never read
-            target.trim_to(len(history) - 1)
+        if target.ahead is not None and steady:  # launched past the end: never read
+            target.trim_to(target.offset)
         # Finished, or closed between rounds: keep the states for the next prompt.
         if prompt_cache is not None and steady:
             prompt_cache.save(history, target.cache, drafter)
