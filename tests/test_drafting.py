@@ -251,6 +251,21 @@ def test_policy_prices_k_with_the_measured_passes():
     assert _policy_at(0.16, measured).next_k() == 0
 
 
+def test_a_launched_pass_makes_drafts_pay_for_their_own_pass():
+    """After a plain step that launched the next pass (engine/round.py), that pass yields a
+    token by itself: speculating adds only the drafts' pass, which must pay at plain speed."""
+    costs = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
+    policy = _policy_at(0.5, costs)
+    # Half the drafts accepted: a 3-id pass pays against a plain step (1.75 tokens for 1.37),
+    # but not the 2 ids it adds beyond a running pass (0.75 tokens for 1.2 steps).
+    assert policy.next_k() >= 2
+    assert policy.next_k(launched=True) == 0
+    assert policy.arm(None).skips_left == 0  # no evidence against drafting: no back-off
+    # 95%: the drafts pay for their own pass (8 of them: 6.4 more tokens for 8 rows, 1.71).
+    assert _policy_at(0.95, costs).next_k(launched=True) == 8
+    assert _policy_at(0.95, costs).marginal_speed(1) == pytest.approx(0.95 / 1.0)
+
+
 def test_policy_starts_each_match_length_from_its_prior():
     costs = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
     policy = AdaptiveK(k_max=4, costs=costs, copy_max=8, priors=COPY_PRIORS)

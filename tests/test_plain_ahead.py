@@ -151,7 +151,7 @@ class Alternate:
     def __init__(self):
         self.turn = 0
 
-    def next_k(self, label=None):
+    def next_k(self, label=None, launched=False):
         self.turn += 1
         return 0 if self.turn % 2 else 2
 

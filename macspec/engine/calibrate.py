@@ -75,7 +75,7 @@ class _Schedule:
         self.ks = list(ks)
         self.max_k = max(self.ks, default=0)
 
-    def next_k(self, label: Any = None) -> int:
+    def next_k(self, label: Any = None, launched: bool = False) -> int:
         return self.ks.pop(0) if self.ks else 0
 
     def observe(self, k: int, accepted: int) -> None:

@@ -22,8 +22,9 @@ Label = int | None
 class Policy(Protocol):
     max_k: int  # the most drafts next_k ever returns (caches keep room to take them back)
 
-    def next_k(self, label: Label = None) -> int:
-        """Drafts for the next round (0 = a plain step)."""
+    def next_k(self, label: Label = None, launched: bool = False) -> int:
+        """Drafts for the next round (0 = a plain step). `launched`: the pass over the round's
+        first row is already running (engine/round.py, Target.launch)."""
 
     def observe(self, k: int, accepted: int) -> None:
         """How many of the last speculative round's k drafts were accepted."""
@@ -71,7 +72,7 @@ class FixedTree:
     def max_k(self) -> int:
         return self.shape.max_k
 
-    def next_k(self, label: Label = None) -> int | TreeShape:
+    def next_k(self, label: Label = None, launched: bool = False) -> int | TreeShape:
         self._nothing = label == 0
         if label == 0:
             return 0
@@ -99,7 +100,7 @@ class FixedK:
     def max_k(self) -> int:
         return self.k
 
-    def next_k(self, label: Label = None) -> int:
+    def next_k(self, label: Label = None, launched: bool = False) -> int:
         self._nothing = label == 0
         return 0 if label == 0 else self.k
 
@@ -207,11 +208,19 @@ class AdaptiveK:
         draft = 0.0 if label is not None else c.draft_step
         return self.arm(label).expected_tokens(k) / (k * draft + c.pass_time(k))
 
-    def best_k(self, label: Label = None) -> int:
-        cap = self.k_max if label is None else (self.copy_max or self.k_max)
-        return max(range(1, cap + 1), key=lambda k: self.expected_speed(k, label))
+    def marginal_speed(self, k: int, label: Label = None) -> float:
+        """With the first row's pass already running: the tokens beyond its one per second of
+        the pass over the k drafts (and their drafting) that speculating adds."""
+        c = self.costs
+        draft = 0.0 if label is not None else c.draft_step
+        return (self.arm(label).expected_tokens(k) - 1.0) / (k * draft + c.pass_time(k - 1))
 
-    def next_k(self, label: Label = None) -> int:
+    def best_k(self, label: Label = None, launched: bool = False) -> int:
+        cap = self.k_max if label is None else (self.copy_max or self.k_max)
+        speed = self.marginal_speed if launched else self.expected_speed
+        return max(range(1, cap + 1), key=lambda k: speed(k, label))
+
+    def next_k(self, label: Label = None, launched: bool = False) -> int:
         self._last = label
         if label == 0:
             return 0
@@ -220,6 +229,11 @@ class AdaptiveK:
             arm.skips_left -= 1
             arm.probing = arm.skips_left == 0
             return 0
+        if launched:
+            # The launched pass gives a token by itself: drafts must pay for their own pass at
+            # plain speed. Not evidence against the label: its probing schedule is kept.
+            k = self.best_k(label, launched=True)
+            return k if self.marginal_speed(k, label) >= self.margin / self.costs.plain_step else 0
         k = self.best_k(label)
         if arm.probing:
             arm.probing = False  # one speculative round to see whether drafting helps now
@@ -303,10 +317,10 @@ class AdaptiveTree:
         tokens = self.chain.arm(None).expected_tokens(s.depth)
         return tokens / (s.depth * c.draft_step + c.pass_time(s.max_nodes))
 
-    def next_k(self, label: Label = None) -> int | TreeShape:
+    def next_k(self, label: Label = None, launched: bool = False) -> int | TreeShape:
         self._last = None
-        k = self.chain.next_k(label)
-        if label is not None or k == 0:
+        k = self.chain.next_k(label, launched)
+        if label is not None or k == 0 or launched:  # (a tree's root is in its own pass)
             return k
         for s in self.shapes:
             self.since[s] += 1
