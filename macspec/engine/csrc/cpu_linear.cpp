@@ -230,8 +230,7 @@ __attribute__((always_inline)) static inline void hsums(vf* v, float* out) {
 }
 
 // Rows [n0, n1) of y = x @ W.T for MB rows of x (K % L tail done in scalar).
-// PF: prefetch the next block's weight rows.
-template <int MB, int R, bool PF = true>
+template <int MB, int R>
 static void f32_block(
     const float* W,
     const float* x,
@@ -254,9 +253,7 @@ static void f32_block(
       vf wv[R];
       for (int r = 0; r < R; r++) {
         // The next block's rows, one line per line read: the loads then rarely wait on memory.
-        if constexpr (PF) {
-          __builtin_prefetch(w + (size_t)(R + r) * K + k);
-        }
+        __builtin_prefetch(w + (size_t)(R + r) * K + k);
         wv[r] = loadf(w + (size_t)r * K + k);
         pin(wv[r]);
       }
@@ -281,19 +278,15 @@ static void f32_block(
     }
   }
   if (n < n1) {
-    f32_block<MB, 1, PF>(W, x, y, n, n1, N, K);
+    f32_block<MB, 1>(W, x, y, n, n1, N, K);
   }
 }
 
 template <int MB>
 static void f32_rows(const float* W, const float* x, float* y, int n0, int n1, int N, int K) {
-  // With 32 registers: the blocks measured fastest on AVX-512; else whatever fits, except one
-  // row of x, which streams one weight row at a time with no software prefetch: on the AVX2
-  // machine the hardware prefetcher alone followed that single stream faster (README).
-  constexpr bool one = VREGS < 32 && MB == 1;
-  constexpr int R =
-      VREGS >= 32 ? (MB <= 2 ? 4 : (MB <= 4 ? 3 : 2)) : (one ? 1 : rows_fitting(MB, 1, 1));
-  f32_block<MB, R, !one>(W, x, y, n0, n1, N, K);
+  // With 32 registers: the blocks measured fastest on AVX-512; else whatever fits.
+  constexpr int R = VREGS >= 32 ? (MB <= 2 ? 4 : (MB <= 4 ? 3 : 2)) : rows_fitting(MB, 1, 1);
+  f32_block<MB, R>(W, x, y, n0, n1, N, K);
 }
 
 static void f32_dispatch(
