@@ -89,7 +89,7 @@ class GenerationStats:
         parts = [f"{self.generated_tokens} tokens in {self.rounds} rounds"]
         if timings and self.total_time:
             speed = f"{self.tokens_per_second:.1f} tok/s"
-            if self.speedup:
+            if self.speedup and self.speculative_rounds:  # (plain decoding: nothing to compare)
                 speed += f" ({self.speedup:.2f}x plain: {1 / self.plain_step_time:.1f} tok/s)"
             parts.append(speed)
         if self.drafted:

@@ -38,6 +38,13 @@ def test_generate_streams_text_and_a_summary(tiny_dirs, capsys):
     assert "ngram drafting" in captured.err and "tok/s" in captured.err
 
 
+def test_the_summary_compares_with_plain_decoding_only_when_it_speculated(pair):
+    spec = macspec.generate(pair, "Hi", max_tokens=12, num_draft=2, adaptive=False)
+    assert "x plain: " in spec.stats.summary()
+    plain = macspec.generate(pair, "Hi", max_tokens=12, speculative=False)
+    assert "tok/s" in plain.stats.summary() and "x plain" not in plain.stats.summary()
+
+
 def test_errors_are_one_line_and_an_exit_code(tmp_path, capsys):
     assert main(["generate", "Hi", "--target", str(tmp_path / "missing")]) == 1
     err = capsys.readouterr().err
