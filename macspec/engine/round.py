@@ -130,14 +130,15 @@ class Target:
             return self._pass(tokens, rewindable)
         head, hidden, fed = self.ahead
         self.ahead = None
+        rest = self._pass(tokens[1:], rewindable) if tokens.size > 1 else None
+        # Read once the rest is built: the ids may be drafts still computing.
         if fed.item() != tokens[0].item():
             raise CacheError(
                 f"{self.name}: a pass launched ahead fed id {fed.item()}, not {tokens[0].item()}"
             )
-        if tokens.size == 1:
+        if rest is None:
             self.hidden = hidden
             return head
-        rest = self._pass(tokens[1:], rewindable)
         if self.keep_hidden:
             self.hidden = mx.concatenate([hidden, self.hidden])
         return mx.concatenate([head, rest])
@@ -149,6 +150,11 @@ class Target:
             self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
         final = self.hidden[:, -self.model.args.hidden_size :] if self.taps else self.hidden
         return output_head(self.model, final)[:, : self.vocab_size]
+
+    def drop_launch(self) -> None:
+        """Take back a pass launched ahead, if any: the layers hold the context again."""
+        if self.ahead is not None:
+            self.trim_to(self.offset)
 
     def trim_to(self, length: int) -> None:
         """Every layer back to exactly `length` tokens (a pass launched ahead dropped), or
@@ -366,8 +372,7 @@ def decode(
             t0 = ready if target.ahead is not None else perf_counter()
             rows = 0
             if isinstance(k, TreeShape):
-                if target.ahead is not None:  # a tree's root is in its own pass
-                    target.trim_to(target.offset)
+                target.drop_launch()  # a tree's root is in its own pass
                 tr, path, token, draft_time, verify_time = tree_round(
                     target, drafter, history[-1], k, dist, subkey
                 )
@@ -423,8 +428,8 @@ def decode(
             if finish:
                 return
     finally:
-        if target.ahead is not None and steady:  # launched past the end: never read
-            target.trim_to(target.offset)
+        if steady:  # a pass launched past the end is never read
+            target.drop_launch()
         # Finished, or closed between rounds: keep the states for the next prompt.
         if prompt_cache is not None and steady:
             prompt_cache.save(history, target.cache, drafter)
