@@ -6,6 +6,8 @@ context, and the statistical tests fail on a launched pass whose logits are stal
 import mlx.core as mx
 import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
+from test_eagle import make_draft
+from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api
@@ -212,3 +214,23 @@ def test_greedy_speculation_from_launched_passes_equals_plain(endless, monkeypat
     assert spec.tokens == plain.tokens
     assert spec.stats.speculative_rounds >= 10
     assert len(launches) >= 10 + 39
+
+
+def test_a_feature_draft_gets_the_same_hidden_states_from_launched_passes(
+    tmp_path, monkeypatch, launches
+):
+    """EAGLE drafts from the target's hidden states: a launched pass must hand it those of the
+    ids it fed, so every round proposes exactly the drafts it proposes one step at a time."""
+    target = make_tiny_model(tmp_path / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    pair = macspec.load(target, make_draft(tmp_path / "draft", target))
+    pair.eos_token_ids = frozenset()
+    monkeypatch.setattr(api, "_fixed", lambda opts: Alternate())
+
+    def rounds():
+        events = macspec.stream_generate(pair, "Once upon", max_tokens=30, adaptive=False)
+        return [(e.accepted, e.rejected, e.emitted) for e in events]
+
+    launched = rounds()
+    assert len(launches) >= 10
+    one_at_a_time(monkeypatch)
+    assert rounds() == launched
