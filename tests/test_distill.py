@@ -344,3 +344,50 @@ def test_feature_layers_values():
     assert parse_feature_layers("none", 30) == ()
     assert parse_feature_layers("27,2,2", 30) == (2, 27)
     assert feature_taps(1) == () and feature_taps(4) == (1, 2)
+
+
+def test_the_target_writes_its_own_training_prompts(tmp_path):
+    from macspec.tools.distill.self_prompts import open_user_turn, self_prompts
+
+    # A few characters, so the random target ends its messages and writes words.
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, chars="ab ", scale=0.3, context=512)
+    pair = macspec.load(target)
+    turn = open_user_turn(pair)
+    asked = macspec.api.prompt_ids(pair, messages=[{"role": "user", "content": "ab ba"}])
+    assert asked[: len(turn)] == turn and len(asked) > len(turn)
+    texts = self_prompts(pair, 6, tmp_path / "a", seed=1, rows=16, max_new=24, progress=False)
+    assert len(texts) == 6 and len({" ".join(t.split()) for t in texts}) == 6
+    assert all(3 <= len(t.split()) <= 80 and set(t) <= set("ab \n") for t in texts)
+    # Seeded, and a resumed run keeps the prompts it has and adds new ones.
+    again = self_prompts(pair, 6, tmp_path / "b", seed=1, rows=16, max_new=24, progress=False)
+    assert again == texts
+    more = self_prompts(pair, 9, tmp_path / "a", seed=1, rows=16, max_new=24, progress=False)
+    assert more[:6] == texts and len(set(more)) == 9
+    assert self_prompts(pair, 4, tmp_path / "a", seed=1, progress=False) == texts[:4]
+    other = self_prompts(pair, 6, tmp_path / "c", seed=2, rows=16, max_new=24, progress=False)
+    assert other != texts
+
+
+def test_self_written_prompts_skip_the_benchmark_topics_and_repeats():
+    from macspec.tools.distill.self_prompts import keep
+
+    seen = {"how do i cook rice?"}
+    assert keep("How can I plan a trip to Rome?", seen)
+    assert not keep("How do I   cook rice?", seen)  # a repeat, up to spaces and case
+    assert not keep("Why is the sky blue at noon?", seen)  # a benchmark topic
+    assert not keep("How to SLEEP well", seen)
+    assert not keep("Hello there", seen)  # too short
+
+
+def test_self_prompts_feed_the_data_and_lock_a_resumed_run(tmp_path):
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, chars="ab ", scale=0.3, context=512)
+    small = {**SMALL_RUN, "tokens": 200, "epochs": 1}
+    out = d.distill(str(target), str(tmp_path / "draft"), vocab=4, self_prompts=5, **small)
+    work = tmp_path / ".distill-draft"
+    assert len(json.loads((work / "self-prompts.json").read_text())) == 5
+    assert json.loads((work / "run.json").read_text())["self_prompts"] == 5
+    assert json.loads((out / "report.json").read_text())["data"]["self_prompts"] == 5
+    with pytest.raises(OptionError, match="self_prompts"):
+        d.distill(str(target), str(tmp_path / "draft"), force=True, resume=True, **small)
+    with pytest.raises(OptionError, match="self_prompts"):
+        d.distill(str(target), str(tmp_path / "x"), self_prompts=-1, **small)

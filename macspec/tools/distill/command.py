@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...api import prompt_ids
 from ...engine.eagle import TargetParts, draft_config, load_draft, save_draft
 from ...errors import OptionError, PromptError
 from ...models.store import _looks_like_path, store_root, validate_name
@@ -20,10 +21,11 @@ from .config import DistillConfig, add_arguments
 from .data import DATA_ROWS, Dataset, generate_data, parse_feature_layers, training_prompts
 from .evaluation import agreement, draft_report
 from .progress import say
+from .self_prompts import self_prompts
 from .training import init_draft, start_draft, train
 
 # The settings a resumed run must share with the one that made its data (run.json).
-_DATA_SETTINGS = ("seed", "max_new", "rows", "prompts", "feature_layers")
+_DATA_SETTINGS = ("seed", "max_new", "rows", "prompts", "self_prompts", "feature_layers")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,14 @@ def distill(
         draft,
         data,
         vocab_ids,
-        facts={**facts, "data": {"prompts": len(run.prompts), "seconds": round(data_seconds, 1)}},
+        facts={
+            **facts,
+            "data": {
+                "prompts": len(run.prompts),
+                "self_prompts": run.config.self_prompts,
+                "seconds": round(data_seconds, 1),
+            },
+        },
         eval_tokens=run.config.eval_tokens,
         seed=run.config.seed,
         progress=progress,
@@ -125,6 +134,7 @@ def _record(run: _Run) -> None:
         "max_new": cfg.max_new,
         "rows": DATA_ROWS,
         "prompts": len(run.prompts),
+        "self_prompts": cfg.self_prompts,
         "feature_layers": list(run.taps),
         "vocab": cfg.vocab,
         "unroll": cfg.unroll,
@@ -140,7 +150,7 @@ def _record(run: _Run) -> None:
         changed = [
             k
             for k in _DATA_SETTINGS
-            if before.get(k, [] if k == "feature_layers" else None) != settings[k]
+            if before.get(k, {"feature_layers": [], "self_prompts": 0}.get(k)) != settings[k]
         ]
         if changed:
             raise OptionError(
@@ -154,10 +164,18 @@ def _sample(run: _Run) -> tuple[Dataset, float]:
     """Sample the data (keeping the shards an earlier run made); returns it and the seconds."""
     cfg = run.config
     start = time.perf_counter()
+    prompts = run.prompts
+    if cfg.self_prompts:
+        say(f"the target writes {cfg.self_prompts} training prompts itself")
+        texts = self_prompts(
+            run.pair, cfg.self_prompts, run.work, seed=cfg.seed, progress=run.progress
+        )
+        ids = [prompt_ids(run.pair, messages=[{"role": "user", "content": t}]) for t in texts]
+        prompts = prompts + [p for p in ids if len(p) + cfg.max_new < run.pair.context_length]
     say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
     _, shards = generate_data(
         run.pair,
-        run.prompts,
+        prompts,
         run.work / "data",
         tokens=cfg.tokens,
         seed=cfg.seed,

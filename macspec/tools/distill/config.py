@@ -30,6 +30,9 @@ class DistillConfig:
     kind: str = _opt("eagle", "draft kind", choices=("eagle",))
     tokens: int = _opt(60_000, "target tokens to sample")
     prompts: str | None = _opt(None, "extra training prompts (text/JSON/JSONL)")
+    self_prompts: int = _opt(
+        0, "training prompts the target writes itself (Magpie: its chat template's open user turn)"
+    )
     seed: int = _opt(0, "seed of the sampled data, the initial weights and the batch order")
     resume: bool = _opt(False, "continue an interrupted run")
     epochs: int = _opt(6, "passes over the sampled data")
@@ -62,6 +65,9 @@ class DistillConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionError(f"invalid {name}={value!r}: must be an integer >= 1")
+        value = self.self_prompts
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise OptionError(f"invalid self_prompts={value!r}: must be an integer >= 0")
 
     @classmethod
     def of(cls, config: DistillConfig | None = None, **options: Any) -> DistillConfig:

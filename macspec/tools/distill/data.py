@@ -92,8 +92,10 @@ def sample_rows(
     key: mx.array,
     eos: set[int],
     taps: tuple[int, ...] = (),
+    suppress: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Sample one continuation per (prompt, temperature) row, all rows in one left-padded batch.
+    """Sample one continuation per (prompt, temperature) row, all rows in one left-padded batch;
+    ids in `suppress` are never sampled.
 
     Returns tokens (B, L), hidden (B, L, H) float16 (the target's final hidden state at every
     position), starts (B,) (first real position), ends (B,) (one past the last kept id) and,
@@ -114,8 +116,11 @@ def sample_rows(
     hidden, tapped, tokens = [h.astype(mx.float16)], [t], []
     t = mx.array(temps, dtype=mx.float32)
     greedy, safe_t = t == 0, mx.where(t == 0, 1.0, t)[:, None]
+    banned = mx.array(list(suppress), dtype=mx.int32) if suppress else None
     for step_key in mx.random.split(key, max_new):
         logits = output_head(model, h[:, -1]).astype(mx.float32)
+        if banned is not None:
+            logits[:, banned] = -mx.inf
         sampled = mx.random.categorical(logits / safe_t, key=step_key)
         nxt = mx.where(greedy, mx.argmax(logits, axis=-1), sampled).astype(mx.int32)
         real = mx.concatenate([real, mx.ones((rows, 1), mx.bool_)], axis=1)
