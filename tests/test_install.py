@@ -78,7 +78,8 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     assert "macspec/ui/chat.tcss" in names
     # the native kernels' sources, built on the user's machine
     assert {
-        f"macspec/engine/csrc/{n}" for n in ("cpu_linear.cpp", "cpu_layer.cpp", "common.h")
+        f"macspec/engine/csrc/{n}"
+        for n in ("cpu_linear.cpp", "cpu_layer.cpp", "cpu_attention.cpp", "common.h", "layer.h")
     } <= names
 
 

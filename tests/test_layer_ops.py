@@ -1,4 +1,5 @@
-"""Native layer primitives (csrc/cpu_layer.cpp): mlx's numbers, every row on its own."""
+"""Native layer primitives (csrc/cpu_layer.cpp, cpu_attention.cpp): mlx's numbers, every row
+on its own."""
 
 from __future__ import annotations
 
@@ -119,6 +120,20 @@ def test_attend_with_a_tree_mask():
     )
 
 
+def test_attend_with_a_mask_over_a_long_context():
+    # Keys come in pieces of 256: one row sees none of the second piece, one sees only it.
+    q, k, v = _attention_case(3, 700)
+    mask = np.tril(np.ones((3, 703), dtype=bool), k=700)
+    mask[1, 256:512] = False
+    mask[2, :256] = mask[2, 512:] = False
+    mask = mx.array(mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = ext.attend(q, k, v, 0.25, False, mask)
+    np.testing.assert_allclose(
+        np.array(got), np.array(want.transpose(0, 2, 1, 3).reshape(1, 3, -1)), atol=2e-6
+    )
+
+
 @pytest.mark.parametrize("context", [20, 3000])  # alone, and split over the threads
 def test_every_attention_row_equals_that_row_alone(context):
     # A verification row and the plain step that would compute it agree bit for bit.
@@ -188,6 +203,19 @@ def test_switched_layers_run_the_primitives_and_give_mlx_lm_logits(module, spy):
     assert spy["rms_norm"] == passes * (2 * layers + 1)
     assert spy["swiglu"] == passes * layers
     assert spy["rope_heads"] == spy["attend"] == (passes - 1) * layers
+
+
+def test_switched_layers_over_a_long_context_give_mlx_lm_logits(spy):
+    # Past 256 cached keys attention is split into pieces joined afterwards.
+    model = llama_like(llama, max_position_embeddings=2048)
+    prompt = [int(i) for i in np.random.default_rng(0).integers(0, 64, 700)]
+    chunks = [prompt, [5], [40, 2, 33, 7, 9], [11]]
+    stock = chunk_logits(model, chunks)
+    kernels.accelerate(model)
+    fast = chunk_logits(model, chunks)
+    for a, b in zip(stock, fast, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
+    assert spy["attend"] == 3 * 2
 
 
 def test_switched_off_they_run_mlx_ops(spy):

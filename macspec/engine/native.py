@@ -32,8 +32,8 @@ OFF_ENV = "MACSPEC_NATIVE"
 THREADS_ENV = "MACSPEC_NATIVE_THREADS"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
-SOURCES = (SOURCE, SOURCE_DIR / "cpu_layer.cpp")  # compiled, with the header below
-HEADERS = (SOURCE_DIR / "common.h",)
+SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention")))  # compiled
+HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "layer.h")
 MODULE = "_macspec_cpu"
 
 _module: ModuleType | None = None

@@ -1,5 +1,5 @@
 // The rest of a decoder layer on MLX's CPU backend, one primitive each: RMS norm, SwiGLU, RoPE
-// with the split into heads, and attention of a few rows over the KV cache. MLX runs each of
+// with the split into heads (attention: cpu_attention.cpp). MLX runs each of
 // these on the CPU as a graph of generic ops, 10-200 us apiece here, most of it dispatch (about
 // 2,000 ops a SmolLM2 pass); one primitive costs about 3 us plus its arithmetic.
 //
@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "layer.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -28,85 +29,6 @@
 namespace nb = nanobind;
 
 namespace macspec {
-
-typedef float f8 __attribute__((vector_size(32)));
-typedef float f8u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-static inline f8 load8(const float* p) {
-  return *(const f8u*)p;
-}
-
-static inline void store8(float* p, f8 v) {
-  *(f8u*)p = v;
-}
-
-// The lanes of v summed, pairwise (lane i + lane i + 4, then + 2, + 1).
-static inline float hsum8(f8 v) {
-  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
-}
-
-static inline float dot(const float* a, const float* b, int n) {
-  f8 acc{};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc += load8(a + i) * load8(b + i);
-  }
-  float s = hsum8(acc);
-  for (; i < n; i++) {
-    s += a[i] * b[i];
-  }
-  return s;
-}
-
-// exp(x) as MLX computes it on the CPU (2^n * 2^f, Cephes' polynomial for 2^f), 8 lanes at once.
-static inline f8 exp8(f8 x) {
-  const f8 lo = f8{} - 127.0f, hi = f8{} + 127.0f;
-  f8 t = x * 1.4426950408889634f;
-  t = t < lo ? lo : (t > hi ? hi : t);
-  f8 n = (f8)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  f8 f = t - n;
-  f8 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  f8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return t > lo ? p * scale : f8{};
-}
-
-static void check_float32(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32) {
-    throw std::invalid_argument(std::string("[macspec] float32 ") + what);
-  }
-}
-
-// Registers the primitive's arrays with MLX's CPU stream and allocates its outputs.
-static mx::cpu::CommandEncoder& start(
-    const mx::Stream& s,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(s);
-  for (auto& a : inputs) {
-    encoder.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    encoder.set_output_array(o);
-  }
-  return encoder;
-}
-
-class LayerOp : public mx::Primitive {
- public:
-  using mx::Primitive::Primitive;
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[macspec layer ops] CPU only");
-  }
-};
 
 // ---------------------------------------------------------------- RMS norm
 
@@ -317,137 +239,7 @@ std::vector<mx::array> rope_heads(
       inputs);
 }
 
-// ---------------------------------------------------------------- attention
-
-// x (1, heads, T, D) read where it lies when each row of D is contiguous (a KV cache's view),
-// else copied; `head` and `row` get the strides between heads and between rows.
-static const float* in_place(const mx::array& x, std::vector<float>& scratch, size_t& head,
-                             size_t& row) {
-  if (x.strides()[3] == 1 || x.shape(3) == 1) {
-    head = x.strides()[1];
-    row = x.strides()[2];
-    return x.data<float>();
-  }
-  head = (size_t)x.shape(2) * x.shape(3);
-  row = x.shape(3);
-  return rows_of(x, scratch);
-}
-
-// softmax(q k^T * scale) v for L query rows over T keys (the last L of them the rows' own),
-// grouped kv heads, as (1, L, H*D) ready for the output projection. A row sees the keys up to
-// its own (causal), or those its row of `mask` (L, T, bool) allows (a token tree).
-class Attend : public LayerOp {
- public:
-  Attend(mx::Stream s, float scale, bool causal) : LayerOp(s), scale_(scale), causal_(causal) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& encoder = start(stream(), inputs, outputs);
-    const bool has_mask = inputs.size() > 3;
-    encoder.dispatch([in = inputs, y = outputs[0].data<float>(), scale = scale_,
-                      causal = causal_, has_mask]() {
-      const mx::array &q = in[0], &k = in[1], &v = in[2];
-      const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
-      const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
-      std::vector<float> qs, ks, vs;
-      const float* qp = rows_of(q, qs);
-      // The cache's keys and values are read in place (a view of its buffer, rows of D in
-      // order); any other layout is copied first.
-      size_t kh, kt, vh, vt;
-      const float* kp = in_place(k, ks, kh, kt);
-      const float* vp = in_place(v, vs, vh, vt);
-      const bool* mask = has_mask ? in[3].data<bool>() : nullptr;
-      std::vector<float> scores((size_t)H * L * T);
-      auto one = [&](int task) {  // head h of row i
-        const int h = task / L, i = task % L;
-        const float* qi = qp + ((size_t)h * L + i) * D;
-        const float* kb = kp + (size_t)(h / rep) * kh;
-        const float* vb = vp + (size_t)(h / rep) * vh;
-        const bool* mi = mask ? mask + (size_t)i * T : nullptr;
-        const int seen = causal ? T - L + i + 1 : T;
-        float* s = scores.data() + (size_t)task * T;
-        float top = -INFINITY;
-        for (int t = 0; t < seen; t++) {
-          if (mi && !mi[t]) {
-            continue;
-          }
-          s[t] = dot(qi, kb + t * kt, D) * scale;
-          top = std::max(top, s[t]);
-        }
-        float* yo = y + ((size_t)i * H + h) * D;
-        std::fill(yo, yo + D, 0.0f);
-        float total = 0.0f;
-        for (int t = 0; t < seen; t++) {
-          if (mi && !mi[t]) {
-            continue;
-          }
-          const float p = std::exp(s[t] - top);
-          total += p;
-          const float* vr = vb + t * vt;
-          for (int d = 0; d < D; d++) {
-            yo[d] += p * vr[d];
-          }
-        }
-        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-        for (int d = 0; d < D; d++) {
-          yo[d] *= inv;
-        }
-      };
-      // Threads only where the work outweighs waking them (long contexts, many rows).
-      if ((size_t)H * L * T * D >= (1u << 18)) {
-        Pool::get().run(H * L, one);
-      } else {
-        for (int task = 0; task < H * L; task++) {
-          one(task);
-        }
-      }
-    });
-  }
-
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const auto& q = inputs[0];
-    return {{1, q.shape(2), q.shape(1) * q.shape(3)}};
-  }
-  const char* name() const override {
-    return "MacspecAttend";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const Attend&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
-  }
-
- private:
-  float scale_;
-  bool causal_;
-};
-
-mx::array attend(
-    const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
-    float scale,
-    bool causal,
-    std::optional<mx::array> mask) {
-  for (auto* a : {&q, &k, &v}) {
-    check_float32(*a, "q, k and v");
-  }
-  if (q.ndim() != 4 || k.ndim() != 4 || q.shape(0) != 1 || k.shape() != v.shape() ||
-      k.shape(0) != 1 || q.shape(3) != k.shape(3) || k.shape(1) <= 0 ||
-      q.shape(1) % k.shape(1) || k.shape(2) < q.shape(2)) {
-    throw std::invalid_argument("[macspec attend] q (1, H, L, D) and k, v (1, KVH, T >= L, D)");
-  }
-  std::vector<mx::array> inputs = {q, k, v};
-  if (mask) {
-    if (mask->dtype() != mx::bool_ || mask->size() != (size_t)q.shape(2) * k.shape(2)) {
-      throw std::invalid_argument("[macspec attend] a boolean mask of shape (L, T)");
-    }
-    inputs.push_back(mx::contiguous(mx::reshape(*mask, {q.shape(2), k.shape(2)})));
-  }
-  return mx::array::make_arrays(
-      {{1, q.shape(2), q.shape(1) * q.shape(3)}},
-      {mx::float32},
-      std::make_shared<Attend>(cpu_stream(), scale, causal),
-      inputs)[0];
-}
+void bind_attention(nb::module_& m);  // cpu_attention.cpp
 
 void bind_layer(nb::module_& m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
@@ -465,15 +257,7 @@ void bind_layer(nb::module_& m) {
       nb::arg("offset"),
       nb::arg("traditional"),
       nb::arg("positions") = nb::none());
-  m.def(
-      "attend",
-      &attend,
-      nb::arg("q"),
-      nb::arg("k"),
-      nb::arg("v"),
-      nb::arg("scale"),
-      nb::arg("causal"),
-      nb::arg("mask") = nb::none());
+  bind_attention(m);
 }
 
 }  // namespace macspec

@@ -1,0 +1,257 @@
+// Attention of a few query rows over the KV cache, one primitive: on MLX's CPU backend it is a
+// graph of generic ops otherwise (about 200 us a layer here at a short context).
+//
+// Every row (and every head of a row) is computed alone, in the same order whatever the number
+// of rows and threads, so a plain step and a verification row agree bit for bit.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <vector>
+
+#include "common.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "layer.h"
+
+namespace nb = nanobind;
+
+namespace macspec {
+
+// dot(a, b + r * step, n) for r = 0..3 into out[r], each summed exactly as dot() sums it.
+static inline void dot4(const float* a, const float* b, size_t step, int n, float* out) {
+  f8 acc[4] = {};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const f8 x = load8(a + i);
+    for (int r = 0; r < 4; r++) {
+      acc[r] += x * load8(b + r * step + i);
+    }
+  }
+  for (int r = 0; r < 4; r++) {
+    float s = hsum8(acc[r]);
+    for (int k = i; k < n; k++) {
+      s += a[k] * b[r * step + k];
+    }
+    out[r] = s;
+  }
+}
+
+// ---------------------------------------------------------------- attention
+
+// x (1, heads, T, D) read where it lies when each row of D is contiguous (a KV cache's view),
+// else copied; `head` and `row` get the strides between heads and between rows.
+static const float* in_place(const mx::array& x, std::vector<float>& scratch, size_t& head,
+                             size_t& row) {
+  if (x.strides()[3] == 1 || x.shape(3) == 1) {
+    head = x.strides()[1];
+    row = x.strides()[2];
+    return x.data<float>();
+  }
+  head = (size_t)x.shape(2) * x.shape(3);
+  row = x.shape(3);
+  return rows_of(x, scratch);
+}
+
+// Keys per piece of attention work. Pieces start at fixed positions (0, KEYS, 2 KEYS, ...),
+// so how a row's keys are split, and so its sums, never depend on the pass's other rows.
+constexpr int KEYS = 256;
+
+// softmax(q k^T * scale) v for L query rows over T keys (the last L of them the rows' own),
+// grouped kv heads, as (1, L, H*D) ready for the output projection. A row sees the keys up to
+// its own (causal), or those its row of `mask` (L, T, bool) allows (a token tree).
+//
+// The work is split by kv head, row and piece of KEYS keys: one piece reads its keys and values
+// once for all the query heads that share them, and keeps per query head its largest score, the
+// sum of e^(score - largest) and the values weighed by them. The pieces of a row are then joined
+// in order (the usual rescaling by e^(largest of piece - largest of all)), on one thread.
+class Attend : public LayerOp {
+ public:
+  Attend(mx::Stream s, float scale, bool causal) : LayerOp(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = start(stream(), inputs, outputs);
+    const bool has_mask = inputs.size() > 3;
+    encoder.dispatch([in = inputs, y = outputs[0].data<float>(), scale = scale_,
+                      causal = causal_, has_mask]() {
+      const mx::array &q = in[0], &k = in[1], &v = in[2];
+      const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
+      const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
+      std::vector<float> qs, ks, vs;
+      const float* qp = rows_of(q, qs);
+      // The cache's keys and values are read in place (a view of its buffer, rows of D in
+      // order); any other layout is copied first.
+      size_t kh, kt, vh, vt;
+      const float* kp = in_place(k, ks, kh, kt);
+      const float* vp = in_place(v, vs, vh, vt);
+      const bool* mask = has_mask ? in[3].data<bool>() : nullptr;
+      const int pieces = (T + KEYS - 1) / KEYS;
+      const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
+      std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
+      auto piece = [&](int task) {
+        const int c = task % pieces, i = (task / pieces) % L, g = task / (pieces * L);
+        const int seen = causal ? T - L + i + 1 : T;
+        const int t0 = c * KEYS, n = std::max(0, std::min(seen, t0 + KEYS) - t0);
+        const bool* mi = mask ? mask + (size_t)i * T + t0 : nullptr;
+        const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
+        const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
+        float* out = part.data() + (size_t)task * rep * stride;
+        thread_local std::vector<float> scores;
+        const int padded = (n + 7) / 8 * 8;
+        scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
+        for (int j = 0; j < rep; j++) {
+          const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
+          float* sj = scores.data() + (size_t)j * padded;
+          float top = -INFINITY;
+          int t = 0;
+          for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
+            dot4(qi, kb + t * kt, kt, D, sj + t);
+          }
+          for (; t < n; t++) {
+            sj[t] = dot(qi, kb + t * kt, D);
+          }
+          for (t = 0; t < n; t++) {
+            sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
+            top = std::max(top, sj[t]);
+          }
+          out[j * stride] = top;
+        }
+        for (int j = 0; j < rep; j++) {
+          float* sj = scores.data() + (size_t)j * padded;
+          const float top = out[j * stride];
+          float* acc = out + j * stride + 2;
+          std::fill(acc, acc + D, 0.0f);
+          if (top == -INFINITY) {  // no key to see in this piece
+            out[j * stride + 1] = 0.0f;
+            continue;
+          }
+          f8 total{};
+          for (int t = 0; t < padded; t += 8) {
+            const f8 p = exp8(load8(sj + t) - top);
+            store8(sj + t, p);
+            total += p;
+          }
+          out[j * stride + 1] = hsum8(total);
+          const int DV = D - D % 8;
+          for (int t = 0; t < n; t++) {
+            const float p = sj[t];
+            const float* vr = vb + t * vt;
+            for (int d = 0; d < DV; d += 8) {
+              store8(acc + d, load8(acc + d) + p * load8(vr + d));
+            }
+            for (int d = DV; d < D; d++) {
+              acc[d] += p * vr[d];
+            }
+          }
+        }
+      };
+      const int tasks = KVH * L * pieces;
+      // Threads only where the work outweighs waking them (long contexts, many rows).
+      if ((size_t)H * L * T * D >= (1u << 18)) {
+        Pool::get().run(tasks, piece);
+      } else {
+        for (int task = 0; task < tasks; task++) {
+          piece(task);
+        }
+      }
+      for (int i = 0; i < L; i++) {
+        for (int h = 0; h < H; h++) {
+          const int g = h / rep, j = h % rep;
+          const float* first = part.data() + (((size_t)g * L + i) * pieces * rep + j) * stride;
+          const size_t next = rep * stride;  // the same query head in the next piece
+          float top = -INFINITY, total = 0.0f;
+          for (int c = 0; c < pieces; c++) {
+            top = std::max(top, first[c * next]);
+          }
+          float* yo = y + ((size_t)i * H + h) * D;
+          std::fill(yo, yo + D, 0.0f);
+          for (int c = 0; c < pieces && top > -INFINITY; c++) {
+            const float* pc = first + c * next;
+            if (pc[0] == -INFINITY) {
+              continue;
+            }
+            const float w = std::exp(pc[0] - top);
+            total += w * pc[1];
+            for (int d = 0; d < D; d++) {
+              yo[d] += w * pc[2 + d];
+            }
+          }
+          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+          for (int d = 0; d < D; d++) {
+            yo[d] *= inv;
+          }
+        }
+      }
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    const auto& q = inputs[0];
+    return {{1, q.shape(2), q.shape(1) * q.shape(3)}};
+  }
+  const char* name() const override {
+    return "MacspecAttend";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const Attend&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+mx::array attend(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    float scale,
+    bool causal,
+    std::optional<mx::array> mask) {
+  for (auto* a : {&q, &k, &v}) {
+    check_float32(*a, "q, k and v");
+  }
+  if (q.ndim() != 4 || k.ndim() != 4 || q.shape(0) != 1 || k.shape() != v.shape() ||
+      k.shape(0) != 1 || q.shape(3) != k.shape(3) || k.shape(1) <= 0 ||
+      q.shape(1) % k.shape(1) || k.shape(2) < q.shape(2)) {
+    throw std::invalid_argument("[macspec attend] q (1, H, L, D) and k, v (1, KVH, T >= L, D)");
+  }
+  std::vector<mx::array> inputs = {q, k, v};
+  if (mask) {
+    if (mask->dtype() != mx::bool_ || mask->size() != (size_t)q.shape(2) * k.shape(2)) {
+      throw std::invalid_argument("[macspec attend] a boolean mask of shape (L, T)");
+    }
+    inputs.push_back(mx::contiguous(mx::reshape(*mask, {q.shape(2), k.shape(2)})));
+  }
+  return mx::array::make_arrays(
+      {{1, q.shape(2), q.shape(1) * q.shape(3)}},
+      {mx::float32},
+      std::make_shared<Attend>(cpu_stream(), scale, causal),
+      inputs)[0];
+}
+
+void bind_attention(nb::module_& m) {
+  m.def(
+      "attend",
+      &attend,
+      nb::arg("q"),
+      nb::arg("k"),
+      nb::arg("v"),
+      nb::arg("scale"),
+      nb::arg("causal"),
+      nb::arg("mask") = nb::none());
+}
+
+}  // namespace macspec

@@ -1,0 +1,99 @@
+// What the layer primitives (cpu_layer.cpp, cpu_attention.cpp) share: 8-lane float vectors,
+// the sums and the exponential they are computed with, and the primitives' base class.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "common.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+namespace macspec {
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef float f8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+inline f8 load8(const float* p) {
+  return *(const f8u*)p;
+}
+
+inline void store8(float* p, f8 v) {
+  *(f8u*)p = v;
+}
+
+// The lanes of v summed, pairwise (lane i + lane i + 4, then + 2, + 1).
+inline float hsum8(f8 v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  f8 acc{};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc += load8(a + i) * load8(b + i);
+  }
+  float s = hsum8(acc);
+  for (; i < n; i++) {
+    s += a[i] * b[i];
+  }
+  return s;
+}
+
+// exp(x) as MLX computes it on the CPU (2^n * 2^f, Cephes' polynomial for 2^f), 8 lanes at once.
+inline f8 exp8(f8 x) {
+  const f8 lo = f8{} - 127.0f, hi = f8{} + 127.0f;
+  f8 t = x * 1.4426950408889634f;
+  t = t < lo ? lo : (t > hi ? hi : t);
+  f8 n = (f8)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  f8 f = t - n;
+  f8 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  f8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return t > lo ? p * scale : f8{};
+}
+
+inline void check_float32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string("[macspec] float32 ") + what);
+  }
+}
+
+// Registers the primitive's arrays with MLX's CPU stream and allocates its outputs.
+inline mx::cpu::CommandEncoder& start(
+    const mx::Stream& s,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(s);
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+  }
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+  }
+  return encoder;
+}
+
+class LayerOp : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[macspec layer ops] CPU only");
+  }
+};
+
+}  // namespace macspec
