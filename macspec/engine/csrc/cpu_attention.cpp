@@ -158,7 +158,7 @@ class Attend : public LayerOp {
       };
       const int tasks = KVH * L * pieces;
       // Threads only where the work outweighs waking them (long contexts, many rows).
-      if ((size_t)H * L * T * D >= (1u << 18)) {
+      if ((size_t)H * L * T * D >= (1u << 16)) {
         Pool::get().run(tasks, piece);
       } else {
         for (int task = 0; task < tasks; task++) {
