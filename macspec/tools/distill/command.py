@@ -12,13 +12,19 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...api import prompt_ids
 from ...engine.eagle import TargetParts, draft_config, load_draft, save_draft
 from ...errors import OptionError, PromptError
 from ...models.store import _looks_like_path, store_root, validate_name
 from ...pair import load
 from .config import DistillConfig, add_arguments
-from .data import DATA_ROWS, Dataset, generate_data, parse_feature_layers, training_prompts
+from .data import (
+    DATA_ROWS,
+    Dataset,
+    chat_ids,
+    generate_data,
+    parse_feature_layers,
+    training_prompts,
+)
 from .evaluation import agreement, draft_report
 from .progress import say
 from .self_prompts import self_prompts
@@ -101,13 +107,18 @@ def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _R
     start_from = None if cfg.init is None else init_draft(cfg.init, pair)
     taps = _taps(cfg.feature_layers, pair, start_from)
     ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
-    fits = [p for p in ids if len(p) + cfg.max_new < pair.context_length]
+    fits = _fitting(ids, cfg, pair)
     if not fits:
         raise PromptError(f"no training prompt fits the target's context of {pair.context_length}")
     _writable(work)
     run = _Run(cfg, pair, out, work, taps, fits, start_from, progress)
     _record(run)
     return run
+
+
+def _fitting(ids: list[list[int]], cfg: DistillConfig, pair: Any) -> list[list[int]]:
+    """The prompts that leave room in the target's context for a whole continuation."""
+    return [p for p in ids if len(p) + cfg.max_new < pair.context_length]
 
 
 def _taps(feature_layers: str | None, pair: Any, start_from: tuple | None) -> tuple[int, ...]:
@@ -170,8 +181,7 @@ def _sample(run: _Run) -> tuple[Dataset, float]:
         texts = self_prompts(
             run.pair, cfg.self_prompts, run.work, seed=cfg.seed, progress=run.progress
         )
-        ids = [prompt_ids(run.pair, messages=[{"role": "user", "content": t}]) for t in texts]
-        prompts = prompts + [p for p in ids if len(p) + cfg.max_new < run.pair.context_length]
+        prompts = prompts + _fitting(chat_ids(run.pair, texts), cfg, run.pair)
     say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
     _, shards = generate_data(
         run.pair,

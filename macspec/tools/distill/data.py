@@ -39,12 +39,18 @@ DATA_ROWS = 64
 
 def training_prompts(pair: Any, prompts_file: str | None = None) -> list[list[int]]:
     """Token ids of the training prompts (built-in + the user's file), chat template applied."""
-    from ...api import prompt_ids
     from ..prompts import load_prompts
 
     texts = [t for kind in TRAIN_PROMPTS.values() for t in kind]
     if prompts_file is not None:
         texts += [p.text for p in load_prompts(prompts_file)]
+    return chat_ids(pair, texts)
+
+
+def chat_ids(pair: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text as a user's message, chat template applied."""
+    from ...api import prompt_ids
+
     return [prompt_ids(pair, messages=[{"role": "user", "content": t}]) for t in texts]
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import PromptError
 from ..prompts import BUILTIN
+from .data import sample_rows
 from .progress import bar, end_bar, hms
 from .train_prompts import TRAIN_PROMPTS
 
@@ -49,11 +50,15 @@ def open_user_turn(pair: Any) -> list[int]:
 def keep(text: str, seen: set[str]) -> bool:
     """A usable new prompt: a few words at least, not one already kept or built in, and not on a
     benchmark topic."""
-    words = text.split()
-    norm = " ".join(words).casefold()
+    words, norm = text.split(), _norm(text)
     if not 3 <= len(words) <= 80 or norm in seen:
         return False
     return not any(w in norm for w in HELD_OUT_WORDS)
+
+
+def _norm(text: str) -> str:
+    """A prompt as repeats are recognised: spaces and case do not count."""
+    return " ".join(text.split()).casefold()
 
 
 def self_prompts(
@@ -69,15 +74,13 @@ def self_prompts(
 ) -> list[str]:
     """`count` distinct user prompts written by the target, sampled `rows` at a time; prompts
     kept in `work` by an earlier run are reused (resume) and the rest appended."""
-    from .data import sample_rows
-
     path = work / "self-prompts.json"
     work.mkdir(parents=True, exist_ok=True)
     texts: list[str] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
     if len(texts) >= count:
         return texts[:count]
     builtin = [t for kind in (*TRAIN_PROMPTS.values(), *BUILTIN.values()) for t in kind]
-    seen = {" ".join(t.split()).casefold() for t in builtin + texts}
+    seen = {_norm(t) for t in builtin + texts}
     prefix = open_user_turn(pair)
     ends = set(pair.eos_token_ids)
     # A template's markers inside a message would make no prompt: only the end is allowed.
@@ -99,7 +102,7 @@ def self_prompts(
             tried += 1
             text = pair.tokenizer.decode(ids).strip()
             if keep(text, seen) and len(texts) < count:
-                seen.add(" ".join(text.split()).casefold())
+                seen.add(_norm(text))
                 texts.append(text)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(texts, indent=0, ensure_ascii=False), encoding="utf-8")
