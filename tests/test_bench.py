@@ -324,3 +324,36 @@ def test_readme_goals_are_judged_against_macspecs_own_plain_decoding():
     # Without macspec's plain row, against the table's baseline.
     lines = mod.targets({"meta": {"temperatures": [0.0]}, "summary": rows[::2]})
     assert "macspec ≥ 1.5x plain on chat at T=0.0: best macspec_adaptive 2.00x — met" in lines
+
+
+def test_context_precedes_each_prompt_with_other_questions(same_pair, tmp_path, capsys):
+    out = tmp_path / "ctx"
+    argv = ["bench", "--target", same_pair[0], "--draft", same_pair[1], "--kinds", "chat"]
+    argv += ["--per-kind", "2", "--max-tokens", "4", "--temperature", "0", "--context", "700"]
+    argv += ["--repeats", "1", "--methods", "macspec_plain", "--no-charts", "--quiet"]
+    assert main([*argv, "--output", str(out)]) == 0
+    meta = json.loads((out / "bench.json").read_text())["meta"]
+    assert meta["context"] == 700
+    # The fewest questions that reach 700 tokens: at least 700, and not one question more.
+    assert all(700 <= p["tokens"] < 760 for p in meta["prompts"]), meta["prompts"]
+
+
+def test_with_context_is_the_shortest_list_that_reaches_the_length():
+    from macspec.tools.prompts import with_context
+
+    p = builtin_prompts(["chat"], 1)[0]
+
+    def words(q):
+        return len(q.text.split())
+
+    long = with_context(p, words, 300)
+    assert long.text.endswith("Now answer this one: " + p.text) and long.name == p.name
+    assert words(long) >= 300
+    last = long.text.split("\n\nNow answer")[0].splitlines()[-1]
+    n = int(last.split(".")[0])
+    shorter = "\n".join(long.text.split("\n\nNow answer")[0].splitlines()[:-1])
+    assert len(shorter.split()) + len(("Now answer this one: " + p.text).split()) < 300
+    assert n > 10
+    assert with_context(p, words, 3) == p  # already long enough: unchanged
+    with pytest.raises(OptionError, match="context=10000000"):
+        with_context(p, words, 10_000_000)

@@ -37,7 +37,7 @@ from .bench_report import (
     summarise,
     write_charts,
 )
-from .prompts import KINDS, Prompt, builtin_prompts, load_prompts
+from .prompts import KINDS, Prompt, builtin_prompts, load_prompts, with_context
 
 # ------------------------------------------------------------------ running one method
 
@@ -230,6 +230,7 @@ def bench(
     kinds: str | Sequence[str] | None = None,
     per_kind: int = 0,
     max_tokens: int = 128,
+    context: int = 0,
     temperature: str | Sequence[float] = "0,0.7",
     num_draft: str | Sequence[int] = "2,4,6",
     tree_nodes: str | Sequence[int] = "4,8",
@@ -246,8 +247,8 @@ def bench(
     ks = _numbers(num_draft, "num_draft", int, 1, "2,4,6")
     trees = _numbers(tree_nodes, "tree_nodes", int, 1, "4,8") if tree_nodes != "" else []
     method_names = _names(methods, METHODS, "methods")
-    if max_tokens < 2 or repeats < 1:
-        raise OptionError("max_tokens must be >= 2 and repeats >= 1")
+    if max_tokens < 2 or repeats < 1 or context < 0:
+        raise OptionError("max_tokens must be >= 2, repeats >= 1 and context >= 0")
     prompt_list = select_prompts(prompts, kinds, per_kind)
     say = (lambda msg: None) if quiet else _progress
 
@@ -264,6 +265,8 @@ def bench(
     bandwidth = be.measure_bandwidth()
     encoded = []
     for p in prompt_list:
+        if context:  # decode after `context` tokens, like llama-bench -d
+            p = with_context(p, lambda q: len(prompt_ids(pair, messages=q.messages)), context)
         ids = prompt_ids(pair, messages=p.messages)
         if len(ids) + max_tokens > pair.context_length:
             reason = f"{len(ids)} prompt tokens + {max_tokens} exceed the context"
@@ -283,6 +286,7 @@ def bench(
 
     settings = {
         "max_tokens": max_tokens,
+        "context": context,
         "temperatures": temps,
         "num_draft": ks,
         "tree_nodes": trees,
@@ -407,6 +411,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kinds", help=f"comma-separated prompt kinds ({', '.join(KINDS)})")
     p.add_argument("--per-kind", type=int, default=0, help="prompts of each kind (0 = all)")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="decode after about this many tokens of prompt (other questions precede each one)",
+    )
     p.add_argument("--temperature", default="0,0.7", help="comma-separated, e.g. 0,0.7")
     p.add_argument("--num-draft", default="2,4,6", help="draft lengths K, e.g. 2,4,6")
     p.add_argument(

@@ -195,6 +195,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"{meta['bandwidth_gbs']:.1f} GB/s copy bandwidth, target weights "
         f"{meta['target_weight_bytes'] / 1e6:.0f} MB)"
     ]
+    if meta.get("context"):
+        tokens = [p["tokens"] for p in meta["prompts"]]
+        out.append(f"decoding after {min(tokens)}-{max(tokens)} tokens of prompt")
     width = max([26, *(len(r["label"]) + 2 for r in rows)])  # labels such as "(copies<=8)"
     for temp in meta["temperatures"]:
         out.append(f"\ntemperature {temp}")

@@ -7,7 +7,8 @@ drafting shines), code is regular, chat is open but formulaic, creative writing 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import OptionError, PromptError
@@ -131,3 +132,31 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise PromptError(f"the prompt file {path} holds no prompts")
     return prompts
+
+
+def with_context(prompt: Prompt, length: Callable[[Prompt], int], tokens: int) -> Prompt:
+    """`prompt` preceded by a numbered list of other questions, so that its input is at least
+    `tokens` long (`length`: a prompt's input in tokens), as `llama-bench -d` decodes at a depth.
+
+    The list is the distillation's training questions: varied text, so a draft cannot simply
+    copy a repeated passage, and none of them is a benchmark prompt."""
+    from .distill.train_prompts import TRAIN_PROMPTS
+
+    questions = [q for kind in TRAIN_PROMPTS.values() for q in kind]
+
+    def preceded(n: int) -> Prompt:
+        listed = "\n".join(f"{i + 1}. {q}" for i, q in enumerate(questions[:n]))
+        text = f"Questions people asked earlier:\n{listed}\n\nNow answer this one: {prompt.text}"
+        return replace(prompt, text=text)
+
+    if length(prompt) >= tokens:
+        return prompt
+    if length(preceded(len(questions))) < tokens:
+        raise OptionError(f"context={tokens} is longer than the filler questions reach")
+    lo, hi = 0, 1  # the fewest questions that reach `tokens` lie in (lo, hi]
+    while length(preceded(hi)) < tokens:
+        lo, hi = hi, min(2 * hi, len(questions))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if length(preceded(mid)) >= tokens else (mid, hi)
+    return preceded(hi)
