@@ -33,7 +33,7 @@ THREADS_ENV = "MACSPEC_NATIVE_THREADS"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
 SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention")))  # compiled
-HEADERS = (SOURCE_DIR / "common.h", SOURCE_DIR / "layer.h")
+HEADERS = tuple(SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "vec16"))
 MODULE = "_macspec_cpu"
 
 _module: ModuleType | None = None
