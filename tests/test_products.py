@@ -54,6 +54,16 @@ def test_every_row_is_the_same_whatever_the_rows_and_threads(threads, count):
     assert np.array_equal(np.array(ext.qlinear(x[:6, :192], wq, s, b, 64, 4))[0], q_alone[0])
 
 
+def test_compiled_functions_trace_the_native_product():
+    # mx.compile records the primitive and replays it with new inputs (README: why the pass
+    # itself is not compiled is the caches, not the primitives).
+    w = _normal((300, 200), 4)
+    f = mx.compile(lambda x: ext.linear(x, w) * 2)
+    for seed in (5, 6):  # the second call replays the traced graph on other values
+        x = _normal((1, 3, 200), seed)
+        assert np.array_equal(np.array(f(x)), np.array(ext.linear(x, w) * 2))
+
+
 def test_strided_input_is_read_as_its_values():
     x = _normal((64, 5), 4).T  # a transposed view: not row-contiguous
     w = _normal((30, 64), 5)
