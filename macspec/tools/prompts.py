@@ -140,22 +140,20 @@ def with_context(prompt: Prompt, length: Callable[[Prompt], int], tokens: int) -
 
     The list is the distillation's training questions: varied text, so a draft cannot simply
     copy a repeated passage, and none of them is a benchmark prompt."""
-    from .distill.train_prompts import TRAIN_PROMPTS
-
-    questions = [q for kind in TRAIN_PROMPTS.values() for q in kind]
+    from .distill.train_prompts import TRAIN_TEXTS
 
     def preceded(n: int) -> Prompt:
-        listed = "\n".join(f"{i + 1}. {q}" for i, q in enumerate(questions[:n]))
+        listed = "\n".join(f"{i + 1}. {q}" for i, q in enumerate(TRAIN_TEXTS[:n]))
         text = f"Questions people asked earlier:\n{listed}\n\nNow answer this one: {prompt.text}"
         return replace(prompt, text=text)
 
     if length(prompt) >= tokens:
         return prompt
-    if length(preceded(len(questions))) < tokens:
-        raise OptionError(f"context={tokens} is longer than the filler questions reach")
     lo, hi = 0, 1  # the fewest questions that reach `tokens` lie in (lo, hi]
     while length(preceded(hi)) < tokens:
-        lo, hi = hi, min(2 * hi, len(questions))
+        if hi == len(TRAIN_TEXTS):
+            raise OptionError(f"context={tokens} is longer than the filler questions reach")
+        lo, hi = hi, min(2 * hi, len(TRAIN_TEXTS))
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if length(preceded(mid)) >= tokens else (mid, hi)

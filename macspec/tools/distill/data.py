@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import MacspecError, OptionError
 from .progress import bar, end_bar, hms
-from .train_prompts import TRAIN_PROMPTS
+from .train_prompts import TRAIN_TEXTS
 
 # Temperatures of the rows sampled for one prompt, cycle by cycle: the first cycle gives every
 # prompt its greedy row (the aim is greedy acceptance; greedy rows repeat, so one is enough) and a
@@ -41,7 +41,7 @@ def training_prompts(pair: Any, prompts_file: str | None = None) -> list[list[in
     """Token ids of the training prompts (built-in + the user's file), chat template applied."""
     from ..prompts import load_prompts
 
-    texts = [t for kind in TRAIN_PROMPTS.values() for t in kind]
+    texts = list(TRAIN_TEXTS)
     if prompts_file is not None:
         texts += [p.text for p in load_prompts(prompts_file)]
     return chat_ids(pair, texts)

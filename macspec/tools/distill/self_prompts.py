@@ -21,7 +21,7 @@ from ...errors import PromptError
 from ..prompts import BUILTIN
 from .data import sample_rows
 from .progress import bar, end_bar, hms
-from .train_prompts import TRAIN_PROMPTS
+from .train_prompts import TRAIN_TEXTS
 
 _MARK = "\x00macspec-user-turn\x00"
 
@@ -79,7 +79,7 @@ def self_prompts(
     texts: list[str] = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
     if len(texts) >= count:
         return texts[:count]
-    builtin = [t for kind in (*TRAIN_PROMPTS.values(), *BUILTIN.values()) for t in kind]
+    builtin = [*TRAIN_TEXTS, *(t for kind in BUILTIN.values() for t in kind)]
     seen = {_norm(t) for t in builtin + texts}
     prefix = open_user_turn(pair)
     ends = set(pair.eos_token_ids)

@@ -429,3 +429,6 @@ TRAIN_PROMPTS["wide code"] = tuple(
     for task in _MORE_CODE_TASKS
     for lang in (*_LANGUAGES, "Java")
 ) + tuple(f"Write a Java function that {task}." for task in _CODE_TASKS)
+
+# Every training prompt, kind by kind in order (the data's order, so a resumed run matches).
+TRAIN_TEXTS: tuple[str, ...] = tuple(t for kind in TRAIN_PROMPTS.values() for t in kind)
