@@ -1,5 +1,5 @@
 """Native layer primitives (csrc/cpu_layer.cpp, cpu_attention.cpp): mlx's numbers, every row
-on its own."""
+on its own. The switched layers' tests here run them one op at a time."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models import llama, qwen2
 from tinymodels import chunk_logits, llama_like
 
-from macspec.engine import kernels, native
+from macspec.engine import blocks, kernels, native
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
@@ -173,7 +173,9 @@ def test_bad_shapes_are_refused_with_a_message():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the native primitives the switched layers call."""
+    """Counts the native primitives the switched layers call, one op at a time (the fused
+    layers, which run the same kernels, are tests/test_blocks.py's)."""
+    monkeypatch.setattr(blocks, "_enabled", False)
     calls: Counter = Counter()
 
     class Spy:

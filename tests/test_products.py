@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tinymodels import chunk_logits, llama_like
 
-from macspec.engine import kernels, native, products
+from macspec.engine import blocks, kernels, native, products
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native products unavailable: {native.reason}")
@@ -106,6 +106,7 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11] * 3, [5], [40, 2, 33, 8], [13]]
 
 
 def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
+    monkeypatch.setattr(blocks, "_enabled", False)  # the layers op by op: each product a call
     model = _model()
     stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import native, products
+from . import blocks, native, products
 from .products import on_cpu
 
 NATIVE_ENV = "MACSPEC_NATIVE_LAYERS"
@@ -366,8 +366,30 @@ def accelerate_layers(layers: list) -> int:
             hit = True
         if isinstance(layer, nn.Module) and switch_products(layer) + switch_norms(layer):
             hit = True
+        if isinstance(layer, nn.Module) and _fusable(layer):  # two primitives (blocks.py)
+            _switch_block(layer)
         changed += hit
     return changed
+
+
+def _switch_block(layer: nn.Module) -> None:
+    if "_macspec_stock" not in type(layer).__dict__:
+        layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
+    layer._macspec_overlap = False
+    layer._macspec_fusable = _fusable(layer)
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """A llama/qwen2 decoder layer whose attention and MLP were switched (blocks.py)."""
+    from mlx_lm.models import llama, qwen2
+
+    attentions, mlps = _supported()
+    return (
+        getattr(type(layer), "_macspec_stock", type(layer))
+        in (llama.TransformerBlock, qwen2.TransformerBlock)
+        and getattr(type(layer.self_attn), "_macspec_stock", None) in attentions
+        and getattr(type(layer.mlp), "_macspec_stock", None) in mlps
+    )
 
 
 def accelerate(model: nn.Module) -> int:
@@ -385,7 +407,7 @@ def accelerate(model: nn.Module) -> int:
     switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
-            layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
+            _switch_block(layer)
             layer._macspec_overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
     return changed
 
@@ -409,8 +431,20 @@ def serial():
         _overlap = was
 
 
+def _fused_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array | None:
+    """The layer as two native primitives (blocks.py), or None where it cannot be."""
+    attn = self["self_attn"]
+    tree = getattr(attn, "_macspec_tree", None)
+    table = tree[0] if tree is not None else getattr(attn, "_macspec_rope", None)
+    if not isinstance(table, TableRoPE):
+        return None
+    return blocks.block_pass(self, native_layers(), table, x, mask, cache, tree)
+
+
 def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
-    out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
+    out = _fused_call(self, *args, **kwargs) if self._macspec_fusable else None
+    if out is None:
+        out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
     if _overlap and self._macspec_overlap and isinstance(out, mx.array) and products.active():
         mx.async_eval(out)
     return out

@@ -32,8 +32,8 @@ OFF_ENV = "MACSPEC_NATIVE"
 THREADS_ENV = "MACSPEC_NATIVE_THREADS"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
-SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention")))  # compiled
-HEADERS = tuple(SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "vec16"))
+SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention", "block")))
+HEADERS = tuple(SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16"))
 MODULE = "_macspec_cpu"
 
 _module: ModuleType | None = None

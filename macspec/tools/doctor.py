@@ -60,12 +60,17 @@ def diagnose() -> dict[str, Any]:
 
 def layer_kernels() -> str:
     """Which of macspec's CPU layer kernels run: native primitives, or whole-array mlx ops."""
-    from ..engine import kernels, native, products
+    from ..engine import blocks, kernels, native, products
 
     if kernels.native_layers() is not None:
+        fused = (
+            "a llama/qwen2 layer as two primitives"
+            if blocks.enabled() and products.active()
+            else f"one primitive each ({blocks.OFF_ENV}=0 or products off)"
+        )
         return (
             f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to "
-            f"{products.MAX_ROWS} rows, one primitive each; llama/qwen2 layers)"
+            f"{products.MAX_ROWS} rows; {fused})"
         )
     why = native.reason or f"{kernels.NATIVE_ENV}=0"
     return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"

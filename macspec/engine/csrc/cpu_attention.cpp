@@ -69,13 +69,124 @@ static const float* in_place(const mx::array& x, std::vector<float>& scratch, si
 constexpr int KEYS = 256;
 
 // softmax(q k^T * scale) v for L query rows over T keys (the last L of them the rows' own),
-// grouped kv heads, as (1, L, H*D) ready for the output projection. A row sees the keys up to
-// its own (causal), or those its row of `mask` (L, T, bool) allows (a token tree).
+// grouped kv heads, into y as (L, H*D) ready for the output projection. A row sees the keys up
+// to its own (causal), or those its row of `mask` (L, T) allows (a token tree).
 //
 // The work is split by kv head, row and piece of KEYS keys: one piece reads its keys and values
 // once for all the query heads that share them, and keeps per query head its largest score, the
 // sum of e^(score - largest) and the values weighed by them. The pieces of a row are then joined
 // in order (the usual rescaling by e^(largest of piece - largest of all)), on one thread.
+void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
+                 float scale, bool causal, float* y) {
+  const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
+  std::vector<float> qs, ks, vs;
+  const float* qp = rows_of(q, qs);
+  // The cache's keys and values are read in place (a view of its buffer, rows of D in
+  // order); any other layout is copied first.
+  size_t kh, kt, vh, vt;
+  const float* kp = in_place(k, ks, kh, kt);
+  const float* vp = in_place(v, vs, vh, vt);
+  const int pieces = (T + KEYS - 1) / KEYS;
+  const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
+  std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
+  auto piece = [&](int task) {
+    const int c = task % pieces, i = (task / pieces) % L, g = task / (pieces * L);
+    const int seen = causal ? T - L + i + 1 : T;
+    const int t0 = c * KEYS, n = std::max(0, std::min(seen, t0 + KEYS) - t0);
+    const bool* mi = mask ? mask + (size_t)i * T + t0 : nullptr;
+    const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
+    const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
+    float* out = part.data() + (size_t)task * rep * stride;
+    thread_local std::vector<float> scores;
+    const int padded = (n + 7) / 8 * 8;
+    scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
+    for (int j = 0; j < rep; j++) {
+      const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
+      float* sj = scores.data() + (size_t)j * padded;
+      float top = -INFINITY;
+      int t = 0;
+      for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
+        dot4(qi, kb + t * kt, kt, D, sj + t);
+      }
+      for (; t < n; t++) {
+        sj[t] = dot(qi, kb + t * kt, D);
+      }
+      for (t = 0; t < n; t++) {
+        sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
+        top = std::max(top, sj[t]);
+      }
+      out[j * stride] = top;
+    }
+    for (int j = 0; j < rep; j++) {
+      float* sj = scores.data() + (size_t)j * padded;
+      const float top = out[j * stride];
+      float* acc = out + j * stride + 2;
+      std::fill(acc, acc + D, 0.0f);
+      if (top == -INFINITY) {  // no key to see in this piece
+        out[j * stride + 1] = 0.0f;
+        continue;
+      }
+      f8 total{};
+      for (int t = 0; t < padded; t += 8) {
+        const f8 p = exp8(load8(sj + t) - top);
+        store8(sj + t, p);
+        total += p;
+      }
+      out[j * stride + 1] = hsum8(total);
+      const int DV = D - D % 8;
+      for (int t = 0; t < n; t++) {
+        const float p = sj[t];
+        const float* vr = vb + t * vt;
+        for (int d = 0; d < DV; d += 8) {
+          store8(acc + d, load8(acc + d) + p * load8(vr + d));
+        }
+        for (int d = DV; d < D; d++) {
+          acc[d] += p * vr[d];
+        }
+      }
+    }
+  };
+  const int tasks = KVH * L * pieces;
+  // Threads only where the work outweighs waking them (long contexts, many rows).
+  if ((size_t)H * L * T * D >= (1u << 16)) {
+    Pool::get().run(tasks, piece);
+  } else {
+    for (int task = 0; task < tasks; task++) {
+      piece(task);
+    }
+  }
+  for (int i = 0; i < L; i++) {
+    for (int h = 0; h < H; h++) {
+      const int g = h / rep, j = h % rep;
+      const float* first = part.data() + (((size_t)g * L + i) * pieces * rep + j) * stride;
+      const size_t next = rep * stride;  // the same query head in the next piece
+      float top = -INFINITY, total = 0.0f;
+      for (int c = 0; c < pieces; c++) {
+        top = std::max(top, first[c * next]);
+      }
+      float* yo = y + ((size_t)i * H + h) * D;
+      std::fill(yo, yo + D, 0.0f);
+      for (int c = 0; c < pieces && top > -INFINITY; c++) {
+        const float* pc = first + c * next;
+        if (pc[0] == -INFINITY) {
+          continue;
+        }
+        const float w = std::exp(pc[0] - top);
+        total += w * pc[1];
+        for (int d = 0; d < D; d++) {
+          yo[d] += w * pc[2 + d];
+        }
+      }
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < D; d++) {
+        yo[d] *= inv;
+      }
+    }
+  }
+}
+
+// attend_rows as one primitive: (q (1, H, L, D), k, v (1, KVH, T, D)[, mask]) -> (1, L, H*D).
 class Attend : public LayerOp {
  public:
   Attend(mx::Stream s, float scale, bool causal) : LayerOp(s), scale_(scale), causal_(causal) {}
@@ -85,114 +196,7 @@ class Attend : public LayerOp {
     const bool has_mask = inputs.size() > 3;
     encoder.dispatch([in = inputs, y = outputs[0].data<float>(), scale = scale_,
                       causal = causal_, has_mask]() {
-      const mx::array &q = in[0], &k = in[1], &v = in[2];
-      const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
-      const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
-      std::vector<float> qs, ks, vs;
-      const float* qp = rows_of(q, qs);
-      // The cache's keys and values are read in place (a view of its buffer, rows of D in
-      // order); any other layout is copied first.
-      size_t kh, kt, vh, vt;
-      const float* kp = in_place(k, ks, kh, kt);
-      const float* vp = in_place(v, vs, vh, vt);
-      const bool* mask = has_mask ? in[3].data<bool>() : nullptr;
-      const int pieces = (T + KEYS - 1) / KEYS;
-      const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
-      std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
-      auto piece = [&](int task) {
-        const int c = task % pieces, i = (task / pieces) % L, g = task / (pieces * L);
-        const int seen = causal ? T - L + i + 1 : T;
-        const int t0 = c * KEYS, n = std::max(0, std::min(seen, t0 + KEYS) - t0);
-        const bool* mi = mask ? mask + (size_t)i * T + t0 : nullptr;
-        const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
-        const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
-        float* out = part.data() + (size_t)task * rep * stride;
-        thread_local std::vector<float> scores;
-        const int padded = (n + 7) / 8 * 8;
-        scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
-        for (int j = 0; j < rep; j++) {
-          const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
-          float* sj = scores.data() + (size_t)j * padded;
-          float top = -INFINITY;
-          int t = 0;
-          for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
-            dot4(qi, kb + t * kt, kt, D, sj + t);
-          }
-          for (; t < n; t++) {
-            sj[t] = dot(qi, kb + t * kt, D);
-          }
-          for (t = 0; t < n; t++) {
-            sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
-            top = std::max(top, sj[t]);
-          }
-          out[j * stride] = top;
-        }
-        for (int j = 0; j < rep; j++) {
-          float* sj = scores.data() + (size_t)j * padded;
-          const float top = out[j * stride];
-          float* acc = out + j * stride + 2;
-          std::fill(acc, acc + D, 0.0f);
-          if (top == -INFINITY) {  // no key to see in this piece
-            out[j * stride + 1] = 0.0f;
-            continue;
-          }
-          f8 total{};
-          for (int t = 0; t < padded; t += 8) {
-            const f8 p = exp8(load8(sj + t) - top);
-            store8(sj + t, p);
-            total += p;
-          }
-          out[j * stride + 1] = hsum8(total);
-          const int DV = D - D % 8;
-          for (int t = 0; t < n; t++) {
-            const float p = sj[t];
-            const float* vr = vb + t * vt;
-            for (int d = 0; d < DV; d += 8) {
-              store8(acc + d, load8(acc + d) + p * load8(vr + d));
-            }
-            for (int d = DV; d < D; d++) {
-              acc[d] += p * vr[d];
-            }
-          }
-        }
-      };
-      const int tasks = KVH * L * pieces;
-      // Threads only where the work outweighs waking them (long contexts, many rows).
-      if ((size_t)H * L * T * D >= (1u << 16)) {
-        Pool::get().run(tasks, piece);
-      } else {
-        for (int task = 0; task < tasks; task++) {
-          piece(task);
-        }
-      }
-      for (int i = 0; i < L; i++) {
-        for (int h = 0; h < H; h++) {
-          const int g = h / rep, j = h % rep;
-          const float* first = part.data() + (((size_t)g * L + i) * pieces * rep + j) * stride;
-          const size_t next = rep * stride;  // the same query head in the next piece
-          float top = -INFINITY, total = 0.0f;
-          for (int c = 0; c < pieces; c++) {
-            top = std::max(top, first[c * next]);
-          }
-          float* yo = y + ((size_t)i * H + h) * D;
-          std::fill(yo, yo + D, 0.0f);
-          for (int c = 0; c < pieces && top > -INFINITY; c++) {
-            const float* pc = first + c * next;
-            if (pc[0] == -INFINITY) {
-              continue;
-            }
-            const float w = std::exp(pc[0] - top);
-            total += w * pc[1];
-            for (int d = 0; d < D; d++) {
-              yo[d] += w * pc[2 + d];
-            }
-          }
-          const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-          for (int d = 0; d < D; d++) {
-            yo[d] *= inv;
-          }
-        }
-      }
+      attend_rows(in[0], in[1], in[2], has_mask ? in[3].data<bool>() : nullptr, scale, causal, y);
     });
   }
 

@@ -32,6 +32,17 @@ namespace macspec {
 
 // ---------------------------------------------------------------- RMS norm
 
+void norm_rows(const float* x, const float* w, float* y, int rows, int D, float eps) {
+  for (int m = 0; m < rows; m++) {
+    const float* xm = x + (size_t)m * D;
+    float* ym = y + (size_t)m * D;
+    const float r = 1.0f / std::sqrt(dot(xm, xm, D) / D + eps);
+    for (int d = 0; d < D; d++) {
+      ym[d] = (xm[d] * r) * w[d];
+    }
+  }
+}
+
 // y = (x * rsqrt(mean(x^2) + eps)) * w over the last axis, as mx.fast.rms_norm.
 class RmsNorm : public LayerOp {
  public:
@@ -42,18 +53,8 @@ class RmsNorm : public LayerOp {
     encoder.dispatch([x = inputs[0], weight = inputs[1], y = outputs[0].data<float>(),
                       eps = eps_]() {
       std::vector<float> scratch, ws;
-      const float* xr = rows_of(x, scratch);
-      const float* w = rows_of(weight, ws);
       const int D = x.shape(-1);
-      const int rows = D ? x.size() / D : 0;
-      for (int m = 0; m < rows; m++) {
-        const float* xm = xr + (size_t)m * D;
-        float* ym = y + (size_t)m * D;
-        const float r = 1.0f / std::sqrt(dot(xm, xm, D) / D + eps);
-        for (int d = 0; d < D; d++) {
-          ym[d] = (xm[d] * r) * w[d];
-        }
-      }
+      norm_rows(rows_of(x, scratch), rows_of(weight, ws), y, D ? x.size() / D : 0, D, eps);
     });
   }
 
@@ -83,6 +84,22 @@ mx::array rms_norm(const mx::array& x, const mx::array& w, float eps) {
 
 // ---------------------------------------------------------------- SwiGLU
 
+void swiglu_n(const float* gp, const float* up, float* y, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    f8 gv = load8(gp + i);
+    store8(y + i, gv * load8(up + i) / (1.0f + exp8(-gv)));
+  }
+  if (i < n) {  // the tail through a padded vector: the same arithmetic as the rest
+    float gt[8] = {}, ut[8] = {}, yt[8];
+    std::memcpy(gt, gp + i, (n - i) * 4);
+    std::memcpy(ut, up + i, (n - i) * 4);
+    f8 gv = load8(gt);
+    store8(yt, gv * load8(ut) / (1.0f + exp8(-gv)));
+    std::memcpy(y + i, yt, (n - i) * 4);
+  }
+}
+
 // silu(gate) * up = gate * up / (1 + exp(-gate)), with MLX's exp.
 class Swiglu : public LayerOp {
  public:
@@ -92,22 +109,7 @@ class Swiglu : public LayerOp {
     auto& encoder = start(stream(), inputs, outputs);
     encoder.dispatch([g = inputs[0], u = inputs[1], y = outputs[0].data<float>()]() {
       std::vector<float> gs, us;
-      const float* gp = rows_of(g, gs);
-      const float* up = rows_of(u, us);
-      const size_t n = g.size();
-      size_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        f8 gv = load8(gp + i);
-        store8(y + i, gv * load8(up + i) / (1.0f + exp8(-gv)));
-      }
-      if (i < n) {  // the tail through a padded vector: the same arithmetic as the rest
-        float gt[8] = {}, ut[8] = {}, yt[8];
-        std::memcpy(gt, gp + i, (n - i) * 4);
-        std::memcpy(ut, up + i, (n - i) * 4);
-        f8 gv = load8(gt);
-        store8(yt, gv * load8(ut) / (1.0f + exp8(-gv)));
-        std::memcpy(y + i, yt, (n - i) * 4);
-      }
+      swiglu_n(rows_of(g, gs), rows_of(u, us), y, g.size());
     });
   }
 
@@ -134,6 +136,33 @@ mx::array swiglu(const mx::array& gate, const mx::array& up) {
 
 // ---------------------------------------------------------------- RoPE and the heads
 
+void rope_rows(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+               int half, const int32_t* positions, int offset, int L, int H, int KVH, int D,
+               bool traditional, float* qo, float* ko, float* vo) {
+  const int dims = 2 * half;
+  auto rotate = [&](const float* src, float* dst, int pos) {
+    const float* c = cos + (size_t)pos * half;
+    const float* s = sin + (size_t)pos * half;
+    for (int j = 0; j < half; j++) {
+      const int a = traditional ? 2 * j : j, b = traditional ? 2 * j + 1 : j + half;
+      const float x1 = src[a], x2 = src[b];
+      dst[a] = x1 * c[j] - x2 * s[j];
+      dst[b] = x1 * s[j] + x2 * c[j];
+    }
+    std::memcpy(dst + dims, src + dims, sizeof(float) * (D - dims));
+  };
+  for (int i = 0; i < L; i++) {
+    const int pos = positions ? positions[i] : offset + i;
+    for (int h = 0; h < H; h++) {
+      rotate(q + ((size_t)i * H + h) * D, qo + ((size_t)h * L + i) * D, pos);
+    }
+    for (int h = 0; h < KVH; h++) {
+      rotate(k + ((size_t)i * KVH + h) * D, ko + ((size_t)h * L + i) * D, pos);
+      std::memcpy(vo + ((size_t)h * L + i) * D, v + ((size_t)i * KVH + h) * D, sizeof(float) * D);
+    }
+  }
+}
+
 // q (1, L, H*D), k and v (1, L, KVH*D), as the projections give them, to q and k rotated by
 // their positions and all three as (1, heads, L, D). Row i sits at position offset + i, or at
 // positions[i] when given (a token tree's rows, by depth). cos/sin: (positions, dims / 2).
@@ -149,35 +178,10 @@ class RopeHeads : public LayerOp {
                       vo = outputs[2].data<float>(), H = heads_, KVH = kv_heads_,
                       offset = offset_, traditional = traditional_, has_positions]() {
       std::vector<float> s0, s1, s2, s3, s4;
-      const float* q = rows_of(in[0], s0);
-      const float* k = rows_of(in[1], s1);
-      const float* v = rows_of(in[2], s2);
-      const float* cos = rows_of(in[3], s3);
-      const float* sin = rows_of(in[4], s4);
-      const int32_t* positions = has_positions ? in[5].data<int32_t>() : nullptr;
-      const int half = in[3].shape(1), dims = 2 * half;
       const int L = in[0].shape(1), D = in[0].shape(2) / H;
-      auto rotate = [&](const float* src, float* dst, int pos) {
-        const float* c = cos + (size_t)pos * half;
-        const float* s = sin + (size_t)pos * half;
-        for (int j = 0; j < half; j++) {
-          const int a = traditional ? 2 * j : j, b = traditional ? 2 * j + 1 : j + half;
-          const float x1 = src[a], x2 = src[b];
-          dst[a] = x1 * c[j] - x2 * s[j];
-          dst[b] = x1 * s[j] + x2 * c[j];
-        }
-        std::memcpy(dst + dims, src + dims, sizeof(float) * (D - dims));
-      };
-      for (int i = 0; i < L; i++) {
-        const int pos = positions ? positions[i] : offset + i;
-        for (int h = 0; h < H; h++) {
-          rotate(q + ((size_t)i * H + h) * D, qo + ((size_t)h * L + i) * D, pos);
-        }
-        for (int h = 0; h < KVH; h++) {
-          rotate(k + ((size_t)i * KVH + h) * D, ko + ((size_t)h * L + i) * D, pos);
-          std::memcpy(vo + ((size_t)h * L + i) * D, v + ((size_t)i * KVH + h) * D, sizeof(float) * D);
-        }
-      }
+      rope_rows(rows_of(in[0], s0), rows_of(in[1], s1), rows_of(in[2], s2), rows_of(in[3], s3),
+                rows_of(in[4], s4), in[3].shape(1), has_positions ? in[5].data<int32_t>() : nullptr,
+                offset, L, H, KVH, D, traditional, qo, ko, vo);
     });
   }
 

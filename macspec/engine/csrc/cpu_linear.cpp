@@ -35,6 +35,7 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 #include "common.h"
+#include "linear.h"
 #include "vec16.h"
 
 namespace mx = mlx::core;
@@ -291,6 +292,32 @@ static inline int chunk_rows(int N, int row_bytes) {
   return rows;
 }
 
+void f32_products(const Product* products, int count) {
+  if (count < 1 || count > 8) {
+    throw std::invalid_argument("[macspec products] 1 to 8 products in one job");
+  }
+  int rows[8], first[9] = {0};
+  for (int j = 0; j < count; j++) {
+    rows[j] = chunk_rows(products[j].N, products[j].K * 4);
+    first[j + 1] = first[j] + (products[j].N + rows[j] - 1) / rows[j];
+  }
+  if (count > 1 && first[count] > 65535) {  // the pool counts chunks in 16 bits
+    for (int j = 0; j < count; j++) {
+      f32_products(products + j, 1);
+    }
+    return;
+  }
+  Pool::get().run(first[count], [&](int c) {
+    int j = 0;
+    while (c >= first[j + 1]) {
+      j++;
+    }
+    const Product& p = products[j];
+    const int n0 = (c - first[j]) * rows[j];
+    f32_dispatch(p.W, p.x, p.y, p.M, n0, std::min(p.N, n0 + rows[j]), p.N, p.K);
+  });
+}
+
 // ---------------------------------------------------------------- the primitive
 
 class SmallLinear : public mx::UnaryPrimitive {
@@ -317,11 +344,8 @@ class SmallLinear : public mx::UnaryPrimitive {
     if (bits_ == 32) {
       encoder.dispatch([x = inputs[0], W = inputs[1].data<float>(), y, M, N, K]() {
         std::vector<float> scratch;
-        const float* xr = rows_of(x, scratch);
-        const int rows = chunk_rows(N, K * 4);
-        Pool::get().run((N + rows - 1) / rows, [&](int c) {
-          f32_dispatch(W, xr, y, M, c * rows, std::min(N, (c + 1) * rows), N, K);
-        });
+        const Product p{W, rows_of(x, scratch), y, M, N, K};
+        f32_products(&p, 1);
       });
       return;
     }
@@ -456,12 +480,14 @@ mx::array qlinear(
 }
 
 void bind_layer(nb::module_& m);  // cpu_layer.cpp
+void bind_block(nb::module_& m);  // cpu_block.cpp
 
 }  // namespace macspec
 
 NB_MODULE(_macspec_cpu, m) {
   m.doc() = "macspec's CPU kernels: products for a few rows, and the rest of a decoder layer";
   macspec::bind_layer(m);
+  macspec::bind_block(m);
   m.def("linear", &macspec::linear, nb::arg("x"), nb::arg("w"));
   m.def(
       "qlinear",

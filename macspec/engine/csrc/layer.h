@@ -88,6 +88,17 @@ inline mx::cpu::CommandEncoder& start(
   return encoder;
 }
 
+// The layer kernels, for their primitives and the fused block (cpu_block.cpp); rows are
+// row-contiguous. cpu_layer.cpp:
+void norm_rows(const float* x, const float* w, float* y, int rows, int D, float eps);
+void swiglu_n(const float* g, const float* u, float* y, size_t n);
+void rope_rows(const float* q, const float* k, const float* v, const float* cos, const float* sin,
+               int half, const int32_t* positions, int offset, int L, int H, int KVH, int D,
+               bool traditional, float* qo, float* ko, float* vo);
+// cpu_attention.cpp: q (1, H, L, D); k, v (1, KVH, T, D), read in place where rows lie in order.
+void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
+                 float scale, bool causal, float* y);
+
 class LayerOp : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;

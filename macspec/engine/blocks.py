@@ -1,0 +1,175 @@
+"""A llama/qwen2 decoder layer as two native primitives around the KV cache update.
+
+With the native layer ops (kernels.py) a one-token SmolLM2 layer is still 17 MLX operations:
+norm, three products, RoPE, the cache's update, attention, a product, an add, norm, two
+products, SwiGLU, a product, an add. Each one costs the Python thread an allocation and a
+hand-off to MLX's stream, and on a 2-core CPU that thread takes its core from the products'
+threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` runs the same kernels in the same
+order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last add), with the
+cache's update between them left to mlx-lm: the outputs are bit-identical to the single ops'.
+
+Where anything is not the plain case (quantized or biased products besides q/k/v, another
+norm, a quantized cache, a mask that is neither causal nor a token tree's), `block_pass`
+returns None and the layer runs op by op.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import products
+
+OFF_ENV = "MACSPEC_NATIVE_BLOCKS"
+_enabled = os.environ.get(OFF_ENV, "") != "0"
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> None:
+    """Fuse the layers or run them op by op (tests, A/B timing)."""
+    global _enabled
+    _enabled = on
+
+
+def _is(module: Any, cls: type) -> bool:
+    """`module` is a `cls` as mlx defines it, or the same switched to macspec's kernels."""
+    return getattr(type(module), "_macspec_stock", type(module)) is cls
+
+
+def _float32(linear: Any) -> bool:
+    return _is(linear, nn.Linear) and linear.weight.dtype == mx.float32
+
+
+class _Checked:
+    """A layer's weights as last checked, by the identity of its arrays (held here, so no other
+    array can take their ids)."""
+
+    __slots__ = ("arrays", "weights")
+
+    def __init__(self, arrays: tuple, weights: tuple | None) -> None:
+        self.arrays, self.weights = arrays, weights
+
+
+def _weights(layer: nn.Module) -> tuple | None:
+    """The layer's weights in the primitives' order, or None where they are not the plain case.
+    Checked again only when one of its arrays was replaced (read as dict items: cheaper than
+    nn.Module attributes, which count here)."""
+    attn, mlp = layer["self_attn"], layer["mlp"]
+    modules = (
+        layer["input_layernorm"],
+        attn["q_proj"],
+        attn["k_proj"],
+        attn["v_proj"],
+        attn["o_proj"],
+        layer["post_attention_layernorm"],
+        mlp["gate_proj"],
+        mlp["up_proj"],
+        mlp["down_proj"],
+    )
+    arrays = [m.get("weight") for m in modules] + [m.get("bias") for m in modules]
+    checked = getattr(layer, "_macspec_checked", None)
+    if checked is None or not all(map(operator.is_, checked.arrays, arrays)):
+        checked = _Checked(arrays, _check(*modules))
+        object.__setattr__(layer, "_macspec_checked", checked)
+    return checked.weights
+
+
+def _check(*modules: Any) -> tuple | None:
+    n1, q, k, v, o, n2, g, u, d = modules
+    if not all(_is(n, nn.RMSNorm) and n.weight.dtype == mx.float32 for n in (n1, n2)):
+        return None
+    if not all(_float32(m) and "bias" not in m for m in (o, g, u, d)):
+        return None
+    if not all(_float32(m) for m in (q, k, v)):
+        return None
+    with_bias = ["bias" in m for m in (q, k, v)]
+    if any(with_bias) and not all(with_bias):
+        return None
+    biases = [q.bias, k.bias, v.bias] if all(with_bias) else None
+    if biases is not None and any(b.dtype != mx.float32 for b in biases):
+        return None
+    return (
+        n1.weight,
+        q.weight,
+        k.weight,
+        v.weight,
+        biases,
+        o.weight,
+        n2.weight,
+        g.weight,
+        u.weight,
+        d.weight,
+    )
+
+
+def block_pass(
+    layer: nn.Module, ext: Any, table: Any, x: mx.array, mask: Any, cache: Any, tree: Any
+) -> mx.array | None:
+    """The layer's output for `x` through the two fused primitives, or None (run it op by op).
+    `table`: the attention's cos/sin table (kernels.TableRoPE); `tree`: a token tree's
+    (table, positions, end) as kernels' attention reads it."""
+    if not _enabled or ext is None or not products.active():
+        return None
+    b, length, _ = x.shape
+    offset = 0 if cache is None else cache.offset
+    if (
+        b != 1
+        or length > products.MAX_ROWS
+        or x.dtype != mx.float32
+        or not isinstance(offset, int)
+        or hasattr(cache, "bits")
+        or not (
+            (tree is None and (mask is None or isinstance(mask, str)))
+            or (tree is not None and isinstance(mask, mx.array) and mask.dtype == mx.bool_)
+        )
+    ):
+        return None
+    weights = _weights(layer)
+    if weights is None:
+        return None
+    w1, wq, wk, wv, biases, wo, w2, wg, wu, wd = weights
+    attn = layer["self_attn"]
+    eps1, eps2 = layer["input_layernorm"].eps, layer["post_attention_layernorm"].eps
+    positions, end = tree[1:] if tree is not None else (None, offset + length)
+    cos, sin = table.tables(end)
+    q, k, v = ext.qkv_rope(
+        x,
+        w1,
+        eps1,
+        wq,
+        wk,
+        wv,
+        cos,
+        sin,
+        attn.n_heads,
+        attn.n_kv_heads,
+        offset,
+        table.traditional,
+        biases,
+        positions,
+    )
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    causal = tree is None and mask is not None
+    return ext.attn_mlp(
+        x,
+        q,
+        k,
+        v,
+        wo,
+        w2,
+        eps2,
+        wg,
+        wu,
+        wd,
+        attn.scale,
+        causal,
+        mask if tree is not None else None,
+    )
