@@ -39,3 +39,25 @@ def small_pair(tmp_path_factory):
     p = macspec.load(target, draft)
     p.eos_token_ids = frozenset()  # every sequence has the full length: simpler exact tables
     return p
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Counts the native layer primitives the switched layers call, by name."""
+    from collections import Counter
+
+    from macspec.engine import kernels, native
+
+    ext, calls = native.load(), Counter()
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args, **kwargs):
+                calls[name] += 1
+                return getattr(ext, name)(*args, **kwargs)
+
+            return call
+
+    real = kernels.native_layers
+    monkeypatch.setattr(kernels, "native_layers", lambda: Spy() if real() is not None else None)
+    return calls

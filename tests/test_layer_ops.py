@@ -3,8 +3,6 @@ on its own. The switched layers' tests here run them one op at a time."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -172,23 +170,11 @@ def test_bad_shapes_are_refused_with_a_message():
 
 
 @pytest.fixture
-def spy(monkeypatch):
-    """Counts the native primitives the switched layers call, one op at a time (the fused
-    layers, which run the same kernels, are tests/test_blocks.py's)."""
+def spy(monkeypatch, native_calls):
+    """The native primitives the switched layers call, one op at a time (the fused layers,
+    which run the same kernels, are tests/test_blocks.py's)."""
     monkeypatch.setattr(blocks, "_enabled", False)
-    calls: Counter = Counter()
-
-    class Spy:
-        def __getattr__(self, name):
-            def call(*args, **kwargs):
-                calls[name] += 1
-                return getattr(ext, name)(*args, **kwargs)
-
-            return call
-
-    real = kernels.native_layers
-    monkeypatch.setattr(kernels, "native_layers", lambda: Spy() if real() is not None else None)
-    return calls
+    return native_calls
 
 
 @pytest.mark.parametrize("module", [llama, qwen2])
