@@ -9,7 +9,8 @@ checking K drafts and one plain step (README, "speed on Linux CPUs", has the mea
 built from them), every RMS norm, and the weight products of any model (products.py), to the
 methods below by changing their class. Where the native extension is built (native.py), the
 norms, SwiGLU, RoPE and attention of up to `products.MAX_ROWS` rows are one native primitive
-each (csrc/cpu_layer.cpp, cpu_attention.cpp); otherwise the whole-array forms below run.
+each (csrc/cpu_layer.cpp, cpu_attention.cpp), and a whole llama/qwen2 layer two (blocks.py);
+otherwise the whole-array forms below run.
 Either way the change is in the class: weights, parameter names and saved files stay exactly
 mlx-lm's. Plain and speculative decoding run the same switched model, so exactness is
 untouched; the logits agree with mlx-lm's to float32 rounding (tests).
