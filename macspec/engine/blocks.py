@@ -110,27 +110,21 @@ def _check(*modules: Any) -> tuple | None:
 
 
 def block_pass(
-    layer: nn.Module, ext: Any, table: Any, x: mx.array, mask: Any, cache: Any, tree: Any
+    layer: nn.Module,
+    ext: Any,
+    table: Any,
+    offset: int,
+    tree: Any,
+    x: mx.array,
+    mask: Any,
+    cache: Any,
 ) -> mx.array | None:
     """The layer's output for `x` through the two fused primitives, or None (run it op by op).
-    `table`: the attention's cos/sin table (kernels.TableRoPE); `tree`: a token tree's
-    (table, positions, end) as kernels' attention reads it."""
-    if not _enabled or ext is None or not products.active():
+    `ext, table, offset, tree`: where the native attention may run (kernels.native_case, which
+    checked the rows, mask and cache); this adds the weights' own conditions."""
+    if not _enabled or not products.active():
         return None
-    b, length, _ = x.shape
-    offset = 0 if cache is None else cache.offset
-    if (
-        b != 1
-        or length > products.MAX_ROWS
-        or x.dtype != mx.float32
-        or not isinstance(offset, int)
-        or hasattr(cache, "bits")
-        or not (
-            (tree is None and (mask is None or isinstance(mask, str)))
-            or (tree is not None and isinstance(mask, mx.array) and mask.dtype == mx.bool_)
-        )
-    ):
-        return None
+    length = x.shape[1]
     weights = _weights(layer)
     if weights is None:
         return None

@@ -244,15 +244,16 @@ def _native_attention(
     return self.o_proj(ext.attend(q, k, v, self.scale, mask is not None))
 
 
-def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-    """mlx-lm's llama/qwen2 Attention.__call__ with the table RoPE and `attention` above; masks
-    it does not know (arrays, windows) and quantized caches take mlx-lm's own path."""
-    b, length, _ = x.shape
-    offset = 0 if cache is None else cache.offset
+def native_case(attn: nn.Module, x: mx.array, mask: Any, cache: Any) -> tuple | None:
+    """(ext, table, offset, tree) where `attn`'s pass can run on the native primitives (the
+    attention here, the whole layer in blocks.py): one sequence of up to `products.MAX_ROWS`
+    float32 rows, a table RoPE, an integer offset, a causal mask or a token tree's boolean one
+    (tree.tree_pass: its table, positions and their end), an unquantized cache; else None."""
     ext = native_layers()
-    # a tree pass (tree.tree_pass): its table, positions, their end, and a boolean mask
-    tree = getattr(self, "_macspec_tree", None)
-    table = tree[0] if tree is not None else self._macspec_rope
+    tree = getattr(attn, "_macspec_tree", None)
+    table = tree[0] if tree is not None else getattr(attn, "_macspec_rope", None)
+    offset = 0 if cache is None else cache.offset
+    b, length, _ = x.shape
     if (
         ext is not None
         and b == 1
@@ -266,7 +267,19 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
         )
         and not hasattr(cache, "bits")
     ):
+        return ext, table, offset, tree
+    return None
+
+
+def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+    """mlx-lm's llama/qwen2 Attention.__call__ with the table RoPE and `attention` above; masks
+    it does not know (arrays, windows) and quantized caches take mlx-lm's own path."""
+    case = native_case(self, x, mask, cache)
+    if case is not None:
+        ext, table, offset, tree = case
         return _native_attention(self, ext, table, x, offset, mask, cache, tree)
+    b, length, _ = x.shape
+    offset = 0 if cache is None else cache.offset
     q = self.q_proj(x).reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -368,16 +381,16 @@ def accelerate_layers(layers: list) -> int:
         if isinstance(layer, nn.Module) and switch_products(layer) + switch_norms(layer):
             hit = True
         if isinstance(layer, nn.Module) and _fusable(layer):  # two primitives (blocks.py)
-            _switch_block(layer)
+            _switch_block(layer, fusable=True)
         changed += hit
     return changed
 
 
-def _switch_block(layer: nn.Module) -> None:
+def _switch_block(layer: nn.Module, fusable: bool) -> None:
     if "_macspec_stock" not in type(layer).__dict__:
         layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
     layer._macspec_overlap = False
-    layer._macspec_fusable = _fusable(layer)
+    layer._macspec_fusable = fusable
 
 
 def _fusable(layer: nn.Module) -> bool:
@@ -408,7 +421,7 @@ def accelerate(model: nn.Module) -> int:
     switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
-            _switch_block(layer)
+            _switch_block(layer, _fusable(layer))
             layer._macspec_overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
     return changed
 
@@ -434,12 +447,8 @@ def serial():
 
 def _fused_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array | None:
     """The layer as two native primitives (blocks.py), or None where it cannot be."""
-    attn = self["self_attn"]
-    tree = getattr(attn, "_macspec_tree", None)
-    table = tree[0] if tree is not None else getattr(attn, "_macspec_rope", None)
-    if not isinstance(table, TableRoPE):
-        return None
-    return blocks.block_pass(self, native_layers(), table, x, mask, cache, tree)
+    case = native_case(self["self_attn"], x, mask, cache)
+    return None if case is None else blocks.block_pass(self, *case, x, mask, cache)
 
 
 def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
