@@ -88,6 +88,10 @@ class Pair:
         note += f"{c.plain_step * 1000:.0f} ms"
         if widest:
             note += f", verifying {widest[0]} drafts {widest[1] / c.plain_step:.2f}x that"
+        far = c.later
+        if far is not None and far.verify:
+            note += f" ({far.plain_step * 1000:.0f} ms and "
+            note += f"{far.verify[-1][1] / far.plain_step:.2f}x after {far.position} tokens)"
         return note
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:

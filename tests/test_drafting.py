@@ -212,11 +212,102 @@ def test_policy_picks_longer_drafts_for_higher_acceptance():
     assert 1 <= low.best_k() < high.best_k() == 8
 
 
-def test_calibration_measures_positive_costs(pair):
-    c = calibrate(pair)
+@pytest.fixture(scope="module")
+def roomy_pair(tmp_path_factory):
+    """The tiny pair with room for calibrate()'s long prompt."""
+    root = tmp_path_factory.mktemp("roomy")
+    kw = {"seed": 0, "hidden": 48, "tie": False, "context": 1024}
+    return macspec.load(
+        make_tiny_model(root / "target", **kw), make_tiny_model(root / "draft", perturb=0.3, **kw)
+    )
+
+
+def test_calibration_measures_positive_costs(roomy_pair):
+    c = calibrate(roomy_pair)
     assert c.plain_step > 0 and c.draft_step > 0 and c.extra >= 0
     assert [k for k, _ in c.verify] == [1, 2, 4, 8, 16]
     assert all(t > 0 for _, t in c.verify)
+    # The same again after a long prompt (one prefill shared by its runs), for Costs.at.
+    far = c.later
+    assert c.position == 32 and far.position == 512 and far.later is None
+    assert far.plain_step > 0 and far.draft_step > 0
+    assert [k for k, _ in far.verify] == [1, 2, 4, 8, 16]
+
+
+def test_calibration_prefills_its_long_prompt_once(roomy_pair, monkeypatch):
+    """The draft model's rounds leave the prompt's states for the filler's runs to restore."""
+    prefilled = []
+    real = engine.Target.start
+
+    def start(self, prompt, max_step=1, cache=None):
+        prefilled.append(len(prompt) if cache is None else 0)
+        return real(self, prompt, max_step, cache)
+
+    monkeypatch.setattr(engine.Target, "start", start)
+    calibrate(roomy_pair)
+    assert sorted(prefilled, reverse=True)[:2] == [512, 32]  # once each, then restored
+    assert prefilled.count(512) == 1 and prefilled.count(0) == 4
+
+
+def test_a_short_context_pair_is_measured_once(pair):
+    assert pair.context_length == 256  # no room for a long prompt
+    assert calibrate(pair).later is None
+
+
+# A short and a long context's costs (seconds): every pass reads all the cached positions.
+SHORT = Costs(plain_step=1.0, draft_step=0.1, extra=0.1, verify=((1, 1.2), (4, 1.6)), position=32)
+GROWING = Costs(
+    plain_step=1.0,
+    draft_step=0.1,
+    extra=0.1,
+    verify=((1, 1.2), (4, 1.6)),
+    position=32,
+    later=Costs(
+        plain_step=1.5, draft_step=0.2, extra=0.3, verify=((1, 2.0), (4, 3.0)), position=544
+    ),
+)
+
+
+def test_costs_grow_linearly_with_the_context():
+    half = GROWING.at(288)
+    assert (half.plain_step, half.draft_step, half.extra) == pytest.approx((1.25, 0.15, 0.2))
+    assert dict(half.verify) == pytest.approx({1: 1.6, 4: 2.3})
+    assert half.position == 288 and half.later is None
+    far = GROWING.at(1056)  # past the long measurement: the same slope goes on
+    assert far.plain_step == pytest.approx(2.0)
+    assert dict(far.verify) == pytest.approx({1: 2.8, 4: 4.4})
+    assert GROWING.at(0).plain_step == 1.0  # never below the short context's
+    assert SHORT.at(5000) is SHORT  # measured at one context only: priced as measured
+    # A long measurement below the short one (noise) does not make long contexts cheaper.
+    noisy = Costs(1.0, 0.1, 0.1, ((1, 1.2),), 32, later=Costs(0.9, 0.05, 0.1, ((1, 1.1),), 544))
+    assert noisy.at(2000).plain_step == 1.0 and dict(noisy.at(2000).verify) == {1: 1.2}
+
+
+def test_policy_prices_rounds_at_the_current_context():
+    """Half the drafts accepted pays after a short prompt; after 2,000 tokens the passes cost
+    so much more than a plain step that decoding plainly is faster."""
+    assert _policy_at(0.5, GROWING).next_k(position=40) >= 1
+    late = _policy_at(0.5, GROWING)
+    assert late.next_k(position=2000) == 0
+    assert late.now.plain_step == pytest.approx(1.0 + 0.5 * (1984 - 32) / 512)  # whole steps
+    # Unmeasured growth (one context only): the same choice at every position.
+    assert _policy_at(0.5, SHORT).next_k(position=2000) >= 1
+
+
+def test_decode_tells_the_policy_the_context_length(pair, monkeypatch):
+    seen = []
+    real = AdaptiveK.next_k
+
+    def spy(self, label=None, launched=False, position=0):
+        seen.append(position)
+        return real(self, label, launched, position)
+
+    monkeypatch.setattr(AdaptiveK, "next_k", spy)
+    prompt = pair.tokenizer.encode("Tell me a story")
+    events = list(macspec.stream_generate(pair, prompt, max_tokens=30, temperature=0))
+    # Each round's choice is made with the ids the target's cache holds before it.
+    held = [len(prompt) + sum(len(e.emitted) for e in events[:i]) - 1 for i in range(len(events))]
+    assert seen == held[1:]  # (the first token comes from the prefill's step)
 
 
 CONCAVE = ((1, 1.2), (2, 1.37), (4, 1.6), (8, 1.75))  # SmolLM2-135M, OpenBLAS, 2 cores (ratios)
@@ -337,3 +428,12 @@ def test_plain_stretches_double_up_to_32_steps_between_probes():
         plain = 0
         policy.observe(k, 0)
     assert stretches == [4, 8, 16, 32, 32, 32, 32, 32]
+
+
+def test_the_calibration_note_says_both_contexts(pair, monkeypatch):
+    monkeypatch.setattr(pair, "costs", GROWING)
+    monkeypatch.setattr(pair, "calibration_time", 3.0)
+    assert pair.calibration_note() == (
+        "measured this machine in 3.0s: a plain step 1000 ms, verifying 4 drafts 1.60x that "
+        "(1500 ms and 2.00x after 544 tokens)"
+    )

@@ -164,6 +164,22 @@ def test_cache_after_rounds_matches_fresh_recomputation(eagle_only, tapped_dirs,
         context += emitted
 
 
+def test_a_long_prompt_is_fed_to_the_draft_in_chunks_at_start(eagle_only):
+    """A 1,100-id prompt's pairs go into the draft's cache at start (512 at a time), all but
+    the last; the first proposal still equals the draft run over the whole context at once."""
+    pair = eagle_only
+    drafter = pair.make_drafter(False)
+    context = [(7 * i) % 60 + 1 for i in range(1100)]
+    hidden = hidden_states(pair.target, mx.array(context[:-1]), None, drafter.feature_layers)
+    drafter.start(context, hidden)
+    assert drafter.cache.offset == len(context) - 2 and len(drafter.pending_ids) == 1
+    soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
+    q0 = drafter.propose(1, soft, mx.random.key(0)).probs[0]
+    parts = drafter.parts
+    ref = mx.softmax(_full(reference_logits(pair, parts, drafter.draft, context), parts, pair), -1)
+    assert mx.allclose(q0, ref[0], atol=1e-4).item()
+
+
 def _full(small, parts, pair):
     full = mx.full((1, pair.vocab_size), -mx.inf)
     return mx.put_along_axis(full, parts.vocab_ids[None], small, axis=-1)

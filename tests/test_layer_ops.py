@@ -93,10 +93,15 @@ def _attention_case(rows, context, heads=6, kv_heads=2, d=16, capacity=None):
     return q, kb[:, :, :total, :], vb[:, :, :total, :]
 
 
-@pytest.mark.parametrize("rows,context", [(1, 0), (1, 30), (5, 12), (16, 3), (4, 3000)])
-def test_attend_agrees_with_mlx(rows, context):
-    q, k, v = _attention_case(rows, context)
-    total, scale = context + rows, 16**-0.5
+@pytest.mark.parametrize(
+    "rows,context,d",
+    [(1, 0, 16), (1, 30, 16), (5, 12, 16), (16, 3, 16), (4, 3000, 16), (1, 600, 64)]
+    # heads of 64 and 128 are weighed in registers; 12 rows over 600 keys: blocks of rows
+    + [(12, 600, 64), (3, 300, 128), (16, 40, 128)],
+)
+def test_attend_agrees_with_mlx(rows, context, d):
+    q, k, v = _attention_case(rows, context, d=d)
+    total, scale = context + rows, d**-0.5
     causal = mx.arange(total)[None] <= mx.arange(context, total)[:, None]
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=causal)
     want = want.transpose(0, 2, 1, 3).reshape(1, rows, -1)
@@ -132,11 +137,11 @@ def test_attend_with_a_mask_over_a_long_context():
     )
 
 
-@pytest.mark.parametrize("context", [20, 3000])  # alone, and split over the threads
-def test_every_attention_row_equals_that_row_alone(context):
+@pytest.mark.parametrize("context,d", [(20, 16), (3000, 16), (700, 64)])  # (threads: 3000, 700)
+def test_every_attention_row_equals_that_row_alone(context, d):
     # A verification row and the plain step that would compute it agree bit for bit.
     rows = 6
-    q, k, v = _attention_case(rows, context)
+    q, k, v = _attention_case(rows, context, d=d)
     together = np.array(ext.attend(q, k, v, 0.25, True))
     for i in range(rows):
         seen = context + i + 1

@@ -153,7 +153,7 @@ class Alternate:
     def __init__(self):
         self.turn = 0
 
-    def next_k(self, label=None, launched=False):
+    def next_k(self, label=None, launched=False, position=0):
         self.turn += 1
         return 0 if self.turn % 2 else 2
 

@@ -1,8 +1,10 @@
 """What speculation costs on this machine, measured once per loaded pair for the adaptive policy:
-a plain step, a draft token, and target passes verifying 1 to 16 drafts."""
+a plain step, a draft token, and target passes verifying 1 to 16 drafts, after a short prompt
+and after a long one (the policy prices each round at its context between the two)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import islice
 from statistics import median
 from typing import Any
@@ -10,19 +12,24 @@ from typing import Any
 import mlx.core as mx
 
 from .distributed import guard, make_target
-from .drafters import Drafter, Proposal
+from .drafters import Drafter, HybridDrafter, Proposal
 from .policy import Costs
+from .prefix import PromptCache
 from .round import Round, decode
 from .sampling import SamplingOptions
 
 
-def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16)) -> Costs:
-    """Measure, on this machine, what a plain step, a draft token and wider verifications cost:
-    a short decode alternating plain steps and passes verifying filler ids over each of `widths`
-    drafts (3 of each, after one warm-up cycle), and (with a draft model) a short fixed-K
-    speculative decode, all over arbitrary ids."""
-    ids = [(7 * i) % pair.vocab_size for i in range(1, 33)]  # any ids: only the time is used
+def measure(
+    pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16), length: int = 32
+) -> Costs:
+    """Measure, on this machine, what a plain step, a draft token and wider verifications cost
+    after a prompt of `length` ids: a short decode alternating plain steps and passes verifying
+    filler ids over each of `widths` drafts (3 of each, after one warm-up cycle), and (with a
+    draft model) a short fixed-K speculative decode, all over arbitrary ids."""
+    # any ids: only the time is used
+    ids = [(7 * i) % pair.vocab_size for i in range(1, length + 1)]
     context = min(pair.context_length, 1 << 20)
+    kept = PromptCache()
 
     def run(drafter: Drafter | None, ks: list[int]) -> list[Round]:
         """The first (plain) step, then one round per entry of ks (0 = plain)."""
@@ -39,13 +46,23 @@ def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16))
             context_length=context,
             timing=pair.timing,
             policy=_Schedule(ks),
+            prompt_cache=kept,
         )
         return list(islice(guard(pair, steps), len(ks) + 1))
 
+    # The draft model's rounds first: they leave the prompt's states (its own included) in
+    # `kept`, so the other runs skip the prefill (after a long prompt, most of the time).
+    drafter = pair.make_drafter(False)
+    draft = 0.0
+    if pair.drafter_kind != "ngram":
+        # The model alone (a hybrid's copies would take over once the target repeats itself);
+        # the first rounds of a process run slower and are not counted.
+        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+        rounds = [r for r in run(model, [k] * 6)[3:] if r.num_draft]
+        draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
     # Plain steps and every width interleaved, on the target as the real drafter runs it: load
     # changes during the measurement then hit all of them alike. The first cycle warms up (the
     # first passes of a process were measured 25% slower) and is not counted.
-    drafter = pair.make_drafter(False)
     cycle = [0, *widths]
     rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
     plain = median(r.verify_time for r in rounds if r.num_draft == 0)
@@ -61,11 +78,13 @@ def calibrate(pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16))
     )
     at_k = dict(passes).get(k)
     extra = max(0.0, at_k - plain) / k if at_k is not None else 0.0
-    draft = 0.0
-    if pair.drafter_kind != "ngram":  # arbitrary ids never repeat: the model drafts every round
-        rounds = [r for r in run(drafter, [k] * 5) if r.num_draft]
-        draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
-    return Costs(plain_step=min(plain, ahead), draft_step=draft, extra=extra, verify=passes)
+    return Costs(
+        plain_step=min(plain, ahead),
+        draft_step=draft,
+        extra=extra,
+        verify=passes,
+        position=len(ids),
+    )
 
 
 class _Schedule:
@@ -75,7 +94,7 @@ class _Schedule:
         self.ks = list(ks)
         self.max_k = max(self.ks, default=0)
 
-    def next_k(self, label: Any = None, launched: bool = False) -> int:
+    def next_k(self, label: Any = None, launched: bool = False, position: int = 0) -> int:
         return self.ks.pop(0) if self.ks else 0
 
     def observe(self, k: int, accepted: int) -> None:
@@ -89,6 +108,7 @@ class _Filler:
     """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
 
     name = "filler"
+    state_kind = None  # nothing of its own to keep: a prompt cache restores the target alone
 
     def __init__(self, drafter: Drafter) -> None:
         # The target runs as it will with the real drafter (hidden states, tapped layers).
@@ -96,6 +116,9 @@ class _Filler:
         self.feature_layers = getattr(drafter, "feature_layers", ())
 
     def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
+        pass
+
+    def resume(self, state: Any, prompt: list[int], n: int, hidden: Any = None, max_step: int = 1):
         pass
 
     def label(self) -> None:
@@ -109,3 +132,13 @@ class _Filler:
 
     def abort(self, k: int) -> None:
         pass
+
+
+def calibrate(pair: Any, k: int = 4, long: int = 512) -> Costs:
+    """The costs after a short prompt, with the same measured after `long` tokens (capped by
+    the pair's context) for the policy to price rounds at the current context (Costs.at)."""
+    short = measure(pair, k)
+    room = min(pair.context_length, 1 << 20) - 256  # the measuring decode's own tokens
+    if min(long, room) < 4 * short.position:
+        return short
+    return replace(short, later=measure(pair, k, length=min(long, room)))

@@ -225,6 +225,22 @@ class EagleDrafter:
                 self.pending_f, self.pending_ids = [features[:kept]], ids[:kept]
         # Prompt position t pairs the target's feature f_t with the id x_{t+1}.
         self._queue(hidden, prompt[n + 1 :])
+        self._catch_up()
+
+    def _catch_up(self, chunk: int = 512) -> None:
+        """Feed a long prompt's pending pairs but the last into the cache, `chunk` at a time:
+        left to the first proposal, they went through the layer in one pass, its attention
+        built whole (drafters.prefill chunks a draft model's prompt alike)."""
+        n = len(self.pending_ids) - 1
+        if n < chunk:
+            return
+        features = mx.concatenate(self.pending_f)
+        for i in range(0, n, chunk):
+            state = self.draft.state(features[i : min(n, i + chunk)][None])
+            ids = mx.array(self.pending_ids[i : min(n, i + chunk)], dtype=mx.int32)
+            self.draft.step(state, self.parts.embed(ids)[None], self.cache)
+            mx.eval(self.cache.state)
+        self.pending_f, self.pending_ids = [features[n:]], self.pending_ids[n:]
 
     def _full(self, small: mx.array) -> mx.array:
         """(rows, vocab_size) probabilities from rows over the draft's ids (0 elsewhere)."""

@@ -22,9 +22,10 @@ Label = int | None
 class Policy(Protocol):
     max_k: int  # the most drafts next_k ever returns (caches keep room to take them back)
 
-    def next_k(self, label: Label = None, launched: bool = False) -> int:
+    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         """Drafts for the next round (0 = a plain step). `launched`: the pass over the round's
-        first row is already running (engine/round.py, Target.launch)."""
+        first row is already running (engine/round.py, Target.launch); `position`: the tokens
+        the target's cache holds (what every pass and draft token reads)."""
 
     def observe(self, k: int, accepted: int) -> None:
         """How many of the last speculative round's k drafts were accepted."""
@@ -47,6 +48,32 @@ class Costs:
     # Measured passes: (k, seconds of one target pass over 1 + k positions). On CPUs the cost is
     # far from linear in k (the README's pass costs), so one slope mis-prices short and long ones.
     verify: tuple[tuple[int, float], ...] = ()
+    position: int = 0  # the context length (cached tokens) these were measured after
+    # The same measured after a long context: every pass and draft token reads all cached
+    # positions, so costs grow with the context (README: the default pair fell below plain
+    # decoding after 2,000 tokens when priced at a short context's costs).
+    later: Costs | None = None
+
+    def at(self, position: int) -> Costs:
+        """These costs after `position` cached tokens: each one linear in the context length
+        through the two measured contexts (extended past the long one), never below the short
+        context's."""
+        far = self.later
+        if far is None or far.position <= self.position:
+            return self
+        f = max(0.0, (position - self.position) / (far.position - self.position))
+
+        def grow(a: float, b: float) -> float:
+            return a + max(0.0, b - a) * f
+
+        widths = dict(far.verify)
+        return Costs(
+            plain_step=grow(self.plain_step, far.plain_step),
+            draft_step=grow(self.draft_step, far.draft_step),
+            extra=grow(self.extra, far.extra),
+            verify=tuple((n, grow(t, widths.get(n, t))) for n, t in self.verify),
+            position=position,
+        )
 
     def pass_time(self, k: int) -> float:
         """Seconds of a target pass verifying k drafts: interpolated between the measured
@@ -72,7 +99,9 @@ class FixedTree:
     def max_k(self) -> int:
         return self.shape.max_k
 
-    def next_k(self, label: Label = None, launched: bool = False) -> int | TreeShape:
+    def next_k(
+        self, label: Label = None, launched: bool = False, position: int = 0
+    ) -> int | TreeShape:
         self._nothing = label == 0
         if label == 0:
             return 0
@@ -100,7 +129,7 @@ class FixedK:
     def max_k(self) -> int:
         return self.k
 
-    def next_k(self, label: Label = None, launched: bool = False) -> int:
+    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         self._nothing = label == 0
         return 0 if label == 0 else self.k
 
@@ -187,10 +216,24 @@ class AdaptiveK:
     priors: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
     _last: Label = None
+    _now: Costs | None = None  # the costs at the context of the round being chosen
+    _at: int = -1
+
+    PRICE_STEP: ClassVar[int] = 64  # positions between two re-pricings of the costs
 
     @property
     def max_k(self) -> int:
         return max(self.k_max, self.copy_max or self.k_max)
+
+    @property
+    def now(self) -> Costs:
+        return self._now or self.costs
+
+    def price(self, position: int) -> None:
+        """Price rounds after `position` cached tokens from now on (Costs.at)."""
+        at = position // self.PRICE_STEP * self.PRICE_STEP
+        if at != self._at:
+            self._at, self._now = at, self.costs.at(at)
 
     def arm(self, label: Label) -> _Arm:
         if label not in self.arms:
@@ -204,14 +247,14 @@ class AdaptiveK:
         return self.arm(None).alpha
 
     def expected_speed(self, k: int, label: Label = None) -> float:
-        c = self.costs
+        c = self.now
         draft = 0.0 if label is not None else c.draft_step
         return self.arm(label).expected_tokens(k) / (k * draft + c.pass_time(k))
 
     def marginal_speed(self, k: int, label: Label = None) -> float:
         """With the first row's pass already running: the tokens beyond its one per second of
         the pass over the k drafts (and their drafting) that speculating adds."""
-        c = self.costs
+        c = self.now
         draft = 0.0 if label is not None else c.draft_step
         return (self.arm(label).expected_tokens(k) - 1.0) / (k * draft + c.pass_time(k - 1))
 
@@ -220,8 +263,9 @@ class AdaptiveK:
         speed = self.marginal_speed if launched else self.expected_speed
         return max(range(1, cap + 1), key=lambda k: speed(k, label))
 
-    def next_k(self, label: Label = None, launched: bool = False) -> int:
+    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         self._last = label
+        self.price(position)
         if label == 0:
             return 0
         arm = self.arm(label)
@@ -233,12 +277,12 @@ class AdaptiveK:
             # The launched pass gives a token by itself: drafts must pay for their own pass at
             # plain speed. Not evidence against the label: its probing schedule is kept.
             k = self.best_k(label, launched=True)
-            return k if self.marginal_speed(k, label) >= self.margin / self.costs.plain_step else 0
+            return k if self.marginal_speed(k, label) >= self.margin / self.now.plain_step else 0
         k = self.best_k(label)
         if arm.probing:
             arm.probing = False  # one speculative round to see whether drafting helps now
             return k
-        if self.expected_speed(k, label) < self.margin / self.costs.plain_step:
+        if self.expected_speed(k, label) < self.margin / self.now.plain_step:
             # Losing: decode plainly for a while (longer each time), then probe.
             arm.skips_left = arm.backoff - 1
             # Capped: a probe costs one losing round, so probing every 32 steps wastes under
@@ -313,13 +357,15 @@ class AdaptiveTree:
         seen = self.speed.get(s)
         if seen is not None and seen.rounds > 0.5:
             return seen.tokens / seen.seconds
-        c = self.chain.costs
+        c = self.chain.now
         tokens = self.chain.arm(None).expected_tokens(s.depth)
         return tokens / (s.depth * c.draft_step + c.pass_time(s.max_nodes))
 
-    def next_k(self, label: Label = None, launched: bool = False) -> int | TreeShape:
+    def next_k(
+        self, label: Label = None, launched: bool = False, position: int = 0
+    ) -> int | TreeShape:
         self._last = None
-        k = self.chain.next_k(label, launched)
+        k = self.chain.next_k(label, launched, position)
         if label is not None or k == 0 or launched:  # (a tree's root is in its own pass)
             return k
         for s in self.shapes:

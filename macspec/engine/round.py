@@ -363,7 +363,7 @@ def decode(
             # Never draft past max_tokens or the context: a round emits at most k + 1 ids.
             k: int | TreeShape = 0
             if drafter is not None and generated > 0:
-                k = policy.next_k(drafter.label(), target.ahead is not None)
+                k = policy.next_k(drafter.label(), target.ahead is not None, target.offset)
                 k = fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
             key, subkey = mx.random.split(key)
             dist = make_dist(opts, history)

@@ -72,10 +72,43 @@ constexpr int KEYS = 256;
 // grouped kv heads, into y as (L, H*D) ready for the output projection. A row sees the keys up
 // to its own (causal), or those its row of `mask` (L, T) allows (a token tree).
 //
-// The work is split by kv head, row and piece of KEYS keys: one piece reads its keys and values
-// once for all the query heads that share them, and keeps per query head its largest score, the
-// sum of e^(score - largest) and the values weighed by them. The pieces of a row are then joined
-// in order (the usual rescaling by e^(largest of piece - largest of all)), on one thread.
+// The work is split by kv head, piece of KEYS keys and block of rows: a task reads its piece's
+// keys and values from memory once for all its rows and the query heads that share them (the
+// other rows then find them in the core's caches: a long context is not read again per row).
+// Per row and query head it keeps its largest score, the sum of e^(score - largest) and the
+// values weighed by them. The pieces of a row are then joined in order (the usual rescaling by
+// e^(largest of piece - largest of all)), on one thread.
+template <int DV8>
+static void weigh_values(const float* p, const float* vb, size_t vt, int n, int D, float* acc) {
+  // acc += p[t] * v[t] over t in order, held in registers where D is a known multiple of 8.
+  if constexpr (DV8 > 0) {
+    f8 a[DV8];
+    for (int d = 0; d < DV8; d++) {
+      a[d] = load8(acc + 8 * d);
+    }
+    for (int t = 0; t < n; t++) {
+      const float* vr = vb + t * vt;
+      for (int d = 0; d < DV8; d++) {
+        a[d] = a[d] + p[t] * load8(vr + 8 * d);
+      }
+    }
+    for (int d = 0; d < DV8; d++) {
+      store8(acc + 8 * d, a[d]);
+    }
+  } else {
+    const int DV = D - D % 8;
+    for (int t = 0; t < n; t++) {
+      const float* vr = vb + t * vt;
+      for (int d = 0; d < DV; d += 8) {
+        store8(acc + d, load8(acc + d) + p[t] * load8(vr + d));
+      }
+      for (int d = DV; d < D; d++) {
+        acc[d] += p[t] * vr[d];
+      }
+    }
+  }
+}
+
 void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
                  float scale, bool causal, float* y) {
   const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
@@ -90,64 +123,61 @@ void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, con
   const int pieces = (T + KEYS - 1) / KEYS;
   const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
   std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
+  auto weigh = D == 64 ? weigh_values<8> : D == 128 ? weigh_values<16> : weigh_values<0>;
+  // Rows split into blocks only as far as needed to give each thread a few tasks.
+  const int spread = KVH * pieces, blocks = std::min(L, std::max(1, (8 + spread - 1) / spread));
+  const int per_block = (L + blocks - 1) / blocks;
   auto piece = [&](int task) {
-    const int c = task % pieces, i = (task / pieces) % L, g = task / (pieces * L);
-    const int seen = causal ? T - L + i + 1 : T;
-    const int t0 = c * KEYS, n = std::max(0, std::min(seen, t0 + KEYS) - t0);
-    const bool* mi = mask ? mask + (size_t)i * T + t0 : nullptr;
+    const int c = task % pieces, b = (task / pieces) % blocks, g = task / (pieces * blocks);
+    const int t0 = c * KEYS;
     const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
     const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
-    float* out = part.data() + (size_t)task * rep * stride;
     thread_local std::vector<float> scores;
-    const int padded = (n + 7) / 8 * 8;
-    scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
-    for (int j = 0; j < rep; j++) {
-      const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
-      float* sj = scores.data() + (size_t)j * padded;
-      float top = -INFINITY;
-      int t = 0;
-      for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
-        dot4(qi, kb + t * kt, kt, D, sj + t);
-      }
-      for (; t < n; t++) {
-        sj[t] = dot(qi, kb + t * kt, D);
-      }
-      for (t = 0; t < n; t++) {
-        sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
-        top = std::max(top, sj[t]);
-      }
-      out[j * stride] = top;
-    }
-    for (int j = 0; j < rep; j++) {
-      float* sj = scores.data() + (size_t)j * padded;
-      const float top = out[j * stride];
-      float* acc = out + j * stride + 2;
-      std::fill(acc, acc + D, 0.0f);
-      if (top == -INFINITY) {  // no key to see in this piece
-        out[j * stride + 1] = 0.0f;
-        continue;
-      }
-      f8 total{};
-      for (int t = 0; t < padded; t += 8) {
-        const f8 p = exp8(load8(sj + t) - top);
-        store8(sj + t, p);
-        total += p;
-      }
-      out[j * stride + 1] = hsum8(total);
-      const int DV = D - D % 8;
-      for (int t = 0; t < n; t++) {
-        const float p = sj[t];
-        const float* vr = vb + t * vt;
-        for (int d = 0; d < DV; d += 8) {
-          store8(acc + d, load8(acc + d) + p * load8(vr + d));
+    for (int i = b * per_block; i < std::min(L, (b + 1) * per_block); i++) {
+      const int seen = causal ? T - L + i + 1 : T;
+      const int n = std::max(0, std::min(seen, t0 + KEYS) - t0);
+      const bool* mi = mask ? mask + (size_t)i * T + t0 : nullptr;
+      float* out = part.data() + (((size_t)g * L + i) * pieces + c) * rep * stride;
+      const int padded = (n + 7) / 8 * 8;
+      scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
+      for (int j = 0; j < rep; j++) {
+        const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
+        float* sj = scores.data() + (size_t)j * padded;
+        float top = -INFINITY;
+        int t = 0;
+        for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
+          dot4(qi, kb + t * kt, kt, D, sj + t);
         }
-        for (int d = DV; d < D; d++) {
-          acc[d] += p * vr[d];
+        for (; t < n; t++) {
+          sj[t] = dot(qi, kb + t * kt, D);
         }
+        for (t = 0; t < n; t++) {
+          sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
+          top = std::max(top, sj[t]);
+        }
+        out[j * stride] = top;
+      }
+      for (int j = 0; j < rep; j++) {
+        float* sj = scores.data() + (size_t)j * padded;
+        const float top = out[j * stride];
+        float* acc = out + j * stride + 2;
+        std::fill(acc, acc + D, 0.0f);
+        if (top == -INFINITY) {  // no key to see in this piece
+          out[j * stride + 1] = 0.0f;
+          continue;
+        }
+        f8 total{};
+        for (int t = 0; t < padded; t += 8) {
+          const f8 p = exp8(load8(sj + t) - top);
+          store8(sj + t, p);
+          total += p;
+        }
+        out[j * stride + 1] = hsum8(total);
+        weigh(sj, vb, vt, n, D, acc);
       }
     }
   };
-  const int tasks = KVH * L * pieces;
+  const int tasks = KVH * pieces * blocks;
   // Threads only where the work outweighs waking them (long contexts, many rows).
   if ((size_t)H * L * T * D >= (1u << 16)) {
     Pool::get().run(tasks, piece);
