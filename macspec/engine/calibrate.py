@@ -29,7 +29,7 @@ def measure(
     # any ids: only the time is used
     ids = [(7 * i) % pair.vocab_size for i in range(1, length + 1)]
     context = min(pair.context_length, 1 << 20)
-    kept = PromptCache()
+    kept = PromptCache() if pair.group is None else None
 
     def run(drafter: Drafter | None, ks: list[int]) -> list[Round]:
         """The first (plain) step, then one round per entry of ks (0 = plain)."""
@@ -139,6 +139,7 @@ def calibrate(pair: Any, k: int = 4, long: int = 512) -> Costs:
     the pair's context) for the policy to price rounds at the current context (Costs.at)."""
     short = measure(pair, k)
     room = min(pair.context_length, 1 << 20) - 256  # the measuring decode's own tokens
-    if min(long, room) < 4 * short.position:
+    # A sharded target keeps no prompt states, so each run would prefill the long prompt again.
+    if min(long, room) < 4 * short.position or pair.group is not None:
         return short
     return replace(short, later=measure(pair, k, length=min(long, room)))
