@@ -91,7 +91,10 @@ class Pair:
         far = c.later
         if far is not None and far.verify:
             note += f" ({far.plain_step * 1000:.0f} ms and "
-            note += f"{far.verify[-1][1] / far.plain_step:.2f}x after {far.position} tokens)"
+            note += f"{far.verify[-1][1] / far.plain_step:.2f}x after {far.position} tokens"
+            if far.measured < c.measured:  # measured before the short one: an earlier load
+                note += time.strftime(", kept from %Y-%m-%d %H:%M", time.localtime(far.measured))
+            note += ")"
         return note
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:

@@ -1,6 +1,12 @@
 import macspec  # noqa: I001  first, so that it loads OpenBLAS before anything imports mlx
+import os
+
 import pytest
 from tinymodels import make_tiny_model
+
+# Every load measures its own costs: long-context costs kept on disk (engine/calibrate.py) would
+# stand in for the ones a test sets, and fill the user's cache with tiny models' entries.
+os.environ["MACSPEC_KEEP_COSTS"] = "0"
 
 SMALL = "abcd"  # a 7-id vocabulary (3 specials + 4 chars) for distribution tests
 

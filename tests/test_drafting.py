@@ -1,5 +1,8 @@
 """Draft-free (n-gram) drafting, adaptive K and the fallback to plain decoding stay exact."""
 
+import time
+from dataclasses import replace
+
 import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
@@ -249,6 +252,42 @@ def test_calibration_prefills_its_long_prompt_once(roomy_pair, monkeypatch):
     assert prefilled.count(512) == 1 and prefilled.count(0) == 4
 
 
+def test_the_long_measurement_is_kept_for_the_next_load(roomy_pair, monkeypatch, tmp_path):
+    import json
+
+    from macspec.engine import calibrate as cal
+
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv(cal.KEEP_ENV, "1")
+    prefilled = []
+    real = engine.Target.start
+
+    def start(self, prompt, max_step=1, cache=None):
+        prefilled.append(len(prompt) if cache is None else 0)
+        return real(self, prompt, max_step, cache)
+
+    monkeypatch.setattr(engine.Target, "start", start)
+    first = calibrate(roomy_pair)
+    (kept,) = (tmp_path / "costs").glob("*.json")
+    assert prefilled.count(512) == 1
+    again = calibrate(roomy_pair)  # the short context measured again, the long one read
+    assert prefilled.count(512) == 1 and prefilled.count(32) == 2
+    assert again.later == first.later and again.later.later is None
+    # Stale, damaged or switched off: measured again (and kept again, whole).
+    data = json.loads(kept.read_text())
+    data["measured"] -= (cal.KEEP_DAYS + 1) * 86400
+    kept.write_text(json.dumps(data))
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 2 and json.loads(kept.read_text())["measured"] > data["measured"]
+    kept.write_text("{not json")
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 3
+    monkeypatch.setenv(cal.KEEP_ENV, "0")
+    kept.unlink()
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 4 and not kept.exists()
+
+
 def test_a_short_context_pair_is_measured_once(pair):
     assert pair.context_length == 256  # no room for a long prompt
     assert calibrate(pair).later is None
@@ -436,4 +475,9 @@ def test_the_calibration_note_says_both_contexts(pair, monkeypatch):
     assert pair.calibration_note() == (
         "measured this machine in 3.0s: a plain step 1000 ms, verifying 4 drafts 1.60x that "
         "(1500 ms and 2.00x after 544 tokens)"
+    )
+    # A long measurement read from an earlier load says when it was made.
+    monkeypatch.setattr(pair, "costs", replace(GROWING, measured=1e9))
+    assert pair.calibration_note().endswith(
+        time.strftime("after 544 tokens, kept from %Y-%m-%d %H:%M)", time.localtime(0))
     )

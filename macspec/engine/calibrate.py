@@ -4,13 +4,21 @@ and after a long one (the policy prices each round at its context between the tw
 
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, replace
 from itertools import islice
+from pathlib import Path
 from statistics import median
 from typing import Any
 
 import mlx.core as mx
 
+from ..backend import cache_home
+from . import blocks, kernels
 from .distributed import guard, make_target
 from .drafters import Drafter, HybridDrafter, Proposal
 from .policy import Costs
@@ -84,6 +92,7 @@ def measure(
         extra=extra,
         verify=passes,
         position=len(ids),
+        measured=time.time(),
     )
 
 
@@ -136,10 +145,93 @@ class _Filler:
 
 def calibrate(pair: Any, k: int = 4, long: int = 512) -> Costs:
     """The costs after a short prompt, with the same measured after `long` tokens (capped by
-    the pair's context) for the policy to price rounds at the current context (Costs.at)."""
+    the pair's context) for the policy to price rounds at the current context (Costs.at).
+
+    The long measurement is mostly its prompt's prefill (seconds on a CPU), so it is kept on
+    disk for this machine, pair and setup (KEEP_ENV) and measured again after KEEP_DAYS."""
     short = measure(pair, k)
     room = min(pair.context_length, 1 << 20) - 256  # the measuring decode's own tokens
     # A sharded target keeps no prompt states, so each run would prefill the long prompt again.
     if min(long, room) < 4 * short.position or pair.group is not None:
         return short
-    return replace(short, later=measure(pair, k, length=min(long, room)))
+    length = min(long, room)
+    path = _kept_path(pair, k, length)
+    far = _read_kept(path)
+    if far is None:
+        far = measure(pair, k, length=length)
+        _keep(path, far)
+    return replace(short, later=far)
+
+
+KEEP_ENV = "MACSPEC_KEEP_COSTS"  # 0: measure the long context at every load
+KEEP_DAYS = 7
+
+
+def _stamp(path: Any) -> list:
+    """What identifies a model directory's weights: their names, sizes and times."""
+    if path is None:
+        return []
+    files = sorted(Path(path).glob("*.safetensors"))
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+
+
+def _kept_path(pair: Any, k: int, length: int) -> Path | None:
+    if os.environ.get(KEEP_ENV, "1") == "0":
+        return None
+    here = Path(__file__).parent
+    setup = [
+        # This measurement's code and the costs' meaning: changed, measured again.
+        hashlib.sha256(
+            (here / "calibrate.py").read_bytes() + (here / "policy.py").read_bytes()
+        ).hexdigest(),
+        str(pair.target_path),
+        _stamp(pair.target_path),
+        str(pair.draft_path),
+        _stamp(pair.draft_path),
+        pair.drafter_kind,
+        k,
+        length,
+        str(mx.default_device()),
+        mx.__version__,
+        platform.node(),
+        platform.machine(),
+        os.cpu_count(),
+        kernels.native_layers() is not None,
+        blocks.enabled(),
+    ]
+    key = hashlib.sha256(json.dumps(setup, default=str).encode()).hexdigest()[:16]
+    return cache_home() / "costs" / f"{key}.json"
+
+
+def _read_kept(path: Path | None) -> Costs | None:
+    """The kept costs, or None (none kept, unreadable, or older than KEEP_DAYS)."""
+    if path is None:
+        return None
+    try:
+        kept = json.loads(path.read_text())
+        if time.time() - kept["measured"] > KEEP_DAYS * 86400:
+            return None
+        c = kept["costs"]
+        verify = tuple((int(n), float(t)) for n, t in c["verify"])
+        fields = ("plain_step", "draft_step", "extra")
+        return Costs(
+            **{f: float(c[f]) for f in fields},
+            verify=verify,
+            position=c["position"],
+            measured=kept["measured"],
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _keep(path: Path | None, costs: Costs) -> None:
+    if path is None:
+        return
+    data = {"measured": costs.measured, "costs": asdict(replace(costs, later=None))}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)  # whole or not at all
+    except OSError:
+        pass  # a read-only cache: measured again next time

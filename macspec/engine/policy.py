@@ -53,6 +53,7 @@ class Costs:
     # positions, so costs grow with the context (README: the default pair fell below plain
     # decoding after 2,000 tokens when priced at a short context's costs).
     later: Costs | None = None
+    measured: float = 0.0  # when (time.time()); a long measurement may be kept across loads
 
     def at(self, position: int) -> Costs:
         """These costs after `position` cached tokens: each one linear in the context length
