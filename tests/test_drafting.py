@@ -237,36 +237,36 @@ def test_calibration_measures_positive_costs(roomy_pair):
     assert [k for k, _ in far.verify] == [1, 2, 4, 8, 16]
 
 
-def test_calibration_prefills_its_long_prompt_once(roomy_pair, monkeypatch):
-    """The draft model's rounds leave the prompt's states for the filler's runs to restore."""
-    prefilled = []
+@pytest.fixture()
+def prefilled(monkeypatch):
+    """The prompt length of every target start from now on (0: restored from a prompt cache)."""
+    seen = []
     real = engine.Target.start
 
     def start(self, prompt, max_step=1, cache=None):
-        prefilled.append(len(prompt) if cache is None else 0)
+        seen.append(len(prompt) if cache is None else 0)
         return real(self, prompt, max_step, cache)
 
     monkeypatch.setattr(engine.Target, "start", start)
+    return seen
+
+
+def test_calibration_prefills_its_long_prompt_once(roomy_pair, prefilled):
+    """The draft model's rounds leave the prompt's states for the filler's runs to restore."""
     calibrate(roomy_pair)
     assert sorted(prefilled, reverse=True)[:2] == [512, 32]  # once each, then restored
     assert prefilled.count(512) == 1 and prefilled.count(0) == 4
 
 
-def test_the_long_measurement_is_kept_for_the_next_load(roomy_pair, monkeypatch, tmp_path):
+def test_the_long_measurement_is_kept_for_the_next_load(
+    roomy_pair, prefilled, monkeypatch, tmp_path
+):
     import json
 
     from macspec.engine import calibrate as cal
 
     monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
     monkeypatch.setenv(cal.KEEP_ENV, "1")
-    prefilled = []
-    real = engine.Target.start
-
-    def start(self, prompt, max_step=1, cache=None):
-        prefilled.append(len(prompt) if cache is None else 0)
-        return real(self, prompt, max_step, cache)
-
-    monkeypatch.setattr(engine.Target, "start", start)
     first = calibrate(roomy_pair)
     (kept,) = (tmp_path / "costs").glob("*.json")
     assert prefilled.count(512) == 1
