@@ -267,6 +267,8 @@ def test_the_long_measurement_is_kept_for_the_next_load(
 
     monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
     monkeypatch.setenv(cal.KEEP_ENV, "1")
+    # A tiny model's step (a millisecond) jitters by more than a real one's.
+    monkeypatch.setattr(cal, "KEEP_SPREAD", 100.0)
     first = calibrate(roomy_pair)
     (kept,) = (tmp_path / "costs").glob("*.json")
     assert prefilled.count(512) == 1
@@ -282,10 +284,18 @@ def test_the_long_measurement_is_kept_for_the_next_load(
     kept.write_text("{not json")
     calibrate(roomy_pair)
     assert prefilled.count(512) == 3
+    # Kept while the machine ran far slower (or faster): this load measures its own.
+    monkeypatch.setattr(cal, "KEEP_SPREAD", 0.25)
+    for factor in (1000.0, 0.001):
+        data = json.loads(kept.read_text())
+        data["short_plain_step"] *= factor
+        kept.write_text(json.dumps(data))
+        calibrate(roomy_pair)
+    assert prefilled.count(512) == 5
     monkeypatch.setenv(cal.KEEP_ENV, "0")
     kept.unlink()
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 4 and not kept.exists()
+    assert prefilled.count(512) == 6 and not kept.exists()
 
 
 def test_a_short_context_pair_is_measured_once(pair):

@@ -156,15 +156,16 @@ def calibrate(pair: Any, k: int = 4, long: int = 512) -> Costs:
         return short
     length = min(long, room)
     path = _kept_path(pair, k, length)
-    far = _read_kept(path)
+    far = _read_kept(path, short)
     if far is None:
         far = measure(pair, k, length=length)
-        _keep(path, far)
+        _keep(path, far, short)
     return replace(short, later=far)
 
 
 KEEP_ENV = "MACSPEC_KEEP_COSTS"  # 0: measure the long context at every load
 KEEP_DAYS = 7
+KEEP_SPREAD = 0.25  # how far this load's plain step may be from the kept one's
 
 
 def _stamp(path: Any) -> list:
@@ -203,13 +204,16 @@ def _kept_path(pair: Any, k: int, length: int) -> Path | None:
     return cache_home() / "costs" / f"{key}.json"
 
 
-def _read_kept(path: Path | None) -> Costs | None:
-    """The kept costs, or None (none kept, unreadable, or older than KEEP_DAYS)."""
+def _read_kept(path: Path | None, short: Costs) -> Costs | None:
+    """The kept costs, or None: none kept, unreadable, older than KEEP_DAYS, or kept while a
+    plain step cost other than now (by KEEP_SPREAD: the machine was busier, or idler)."""
     if path is None:
         return None
     try:
         kept = json.loads(path.read_text())
         if time.time() - kept["measured"] > KEEP_DAYS * 86400:
+            return None
+        if abs(kept["short_plain_step"] / short.plain_step - 1.0) > KEEP_SPREAD:
             return None
         c = kept["costs"]
         verify = tuple((int(n), float(t)) for n, t in c["verify"])
@@ -224,10 +228,14 @@ def _read_kept(path: Path | None) -> Costs | None:
         return None
 
 
-def _keep(path: Path | None, costs: Costs) -> None:
+def _keep(path: Path | None, costs: Costs, short: Costs) -> None:
     if path is None:
         return
-    data = {"measured": costs.measured, "costs": asdict(replace(costs, later=None))}
+    data = {
+        "measured": costs.measured,
+        "costs": asdict(replace(costs, later=None)),
+        "short_plain_step": short.plain_step,  # the state of the machine it was measured in
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
