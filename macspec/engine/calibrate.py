@@ -127,7 +127,9 @@ class _Filler:
     def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
         pass
 
-    def resume(self, state: Any, prompt: list[int], n: int, hidden: Any = None, max_step: int = 1):
+    def resume(
+        self, state: Any, prompt: list[int], n: int, hidden: Any = None, max_step: int = 1
+    ) -> None:
         pass
 
     def label(self) -> None:
