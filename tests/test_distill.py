@@ -26,7 +26,7 @@ from macspec.tools.distill.data import (
     parse_feature_layers,
     training_prompts,
 )
-from macspec.tools.distill.training import train, unrolled, widen_draft
+from macspec.tools.distill.training import deepen_draft, train, unrolled, widen_draft
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 
@@ -248,8 +248,12 @@ def test_bad_inputs_give_clear_errors(run, tmp_path, capsys):
     assert "macspec: error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("feature_layers", [(), (0,)], ids=["final features", "tapped layer"])
-def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layers):
+@pytest.mark.parametrize(
+    "feature_layers,layers",
+    [((), 1), ((0,), 1), ((), 2)],
+    ids=["final features", "tapped layer", "two layers"],
+)
+def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layers, layers):
     """Training's unrolled steps (EAGLE-3's training-time test) equal what the drafter computes
     with its cache: step s at position t = the s-th draft token after anchor t - s, attending to
     the real positions up to the anchor and to its own earlier drafted positions only."""
@@ -259,13 +263,13 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
     mx.random.seed(3)
-    draft = EagleDraft(draft_config(target, feature_layers))
+    draft = EagleDraft(draft_config(target, feature_layers, layers))
     ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
     feats = hidden_states(target, ids[:-1], None, feature_layers)[None]
     embeds = target.model.embed_tokens(ids[1:])[None]
     outs = unrolled(draft, draft.state(feats), embeds, 3)
     for anchor in (0, 2, 5):
-        cache = KVCache()
+        cache = [KVCache() for _ in range(layers)]
         out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
         out = out[:, -1:]
         assert mx.allclose(out[0, 0], outs[0][0, anchor], atol=1e-4).item()
@@ -331,6 +335,40 @@ def test_widened_draft_predicts_what_it_did(tmp_path):
     want = narrow(feats[..., -48:], embeds)
     assert mx.allclose(wide(feats, embeds), want, atol=1e-4).item()
     assert mx.array_equal(wide.feature_mean[:96], stats[0][:96]).item()
+
+
+def test_deepened_draft_predicts_what_it_did(tmp_path):
+    """deepen_draft: the added layers start as the identity, so the draft predicts exactly what
+    it did; training then moves them (their output projections are trainable)."""
+    target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
+    mx.random.seed(6)
+    shallow = EagleDraft(draft_config(target))
+    shallow.init_from_features(mx.random.normal((48,)), 1.0 + mx.random.uniform(shape=(48,)))
+    deep = deepen_draft(shallow, draft_config(target, (), 3))
+    assert len(deep.blocks) == 3
+    feats, embeds = mx.random.normal((1, 7, 48)), target.model.embed_tokens(mx.arange(1, 8))[None]
+    assert mx.array_equal(deep(feats, embeds), shallow(feats, embeds)).item()
+    names = dict(tree_flatten(deep.trainable_parameters()))
+    assert "more.1.mlp.down_proj.weight" in names and "more.0.self_attn.o_proj.weight" in names
+
+
+def test_layers_deepens_an_init_draft_and_never_drops_layers(run, tmp_path):
+    target, out = run
+    deep = d.distill(
+        str(target), str(tmp_path / "deep"), init=str(out), layers=2, lr=3e-3, seed=1, **SMALL_RUN
+    )
+    draft, _, meta = read_draft(deep)
+    assert meta["config"]["layers"] == 2 and len(draft.blocks) == 2
+    assert Path(json.loads((deep / "report.json").read_text())["init"]) == out.resolve()
+    pair = macspec.load(target, deep)
+    plain = macspec.generate(pair, "Once upon a time", max_tokens=30, speculative=False)
+    spec = macspec.generate(pair, "Once upon a time", max_tokens=30, num_draft=3)
+    assert spec.tokens == plain.tokens and spec.stats.accepted > 0
+    with pytest.raises(OptionError, match="has 2 decoder layers"):
+        d.distill(str(target), str(tmp_path / "shallow"), init=str(deep), layers=1, **SMALL_RUN)
+    with pytest.raises(OptionError, match="invalid layers=0"):
+        d.distill(str(target), str(tmp_path / "none"), layers=0, **SMALL_RUN)
+    assert not (tmp_path / "shallow").exists() and not (tmp_path / ".distill-shallow").exists()
 
 
 @pytest.mark.parametrize("value", ["", "x", "2,x", "-1", "29", "30"])

@@ -17,13 +17,14 @@ from macspec.errors import ModelError
 from macspec.models.compat import check
 
 
-def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_layers=()):
+def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_layers=(), layers=1):
     """An untrained eagle draft that guesses "the next token repeats the last one": fc passes the
     (normed) feature through and the layer adds only small random terms. Tiny random targets
     repeat themselves often enough that such a draft is accepted part of the time.
-    `feature_layers`: the draft also reads those target layers (through a noisy projection)."""
+    `feature_layers`: the draft also reads those target layers (through a noisy projection);
+    `layers`: decoder layers stacked, each adding small random terms."""
     target = macspec.load(target_dir).target
-    config = draft_config(target, feature_layers)
+    config = draft_config(target, feature_layers, layers)
     mx.random.seed(seed)
     draft = EagleDraft(config)
     h = config["hidden_size"]
@@ -34,8 +35,9 @@ def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_l
         width = h * (len(feature_layers) + 1)
         final = mx.concatenate([mx.zeros((h, width - h)), mx.eye(h)], axis=1)
         draft.proj.weight = final + noise * mx.random.normal((h, width)) / width**0.5
-    draft.layer.self_attn.o_proj.weight = noise * draft.layer.self_attn.o_proj.weight
-    draft.layer.mlp.down_proj.weight = noise * draft.layer.mlp.down_proj.weight
+    for block in draft.blocks:
+        block.self_attn.o_proj.weight = noise * block.self_attn.o_proj.weight
+        block.mlp.down_proj.weight = noise * block.mlp.down_proj.weight
     ids = vocab_ids if vocab_ids is not None else list(range(config["vocab_size"]))
     save_draft(path, draft, ids, config, {"target": "tiny"})
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -69,6 +71,19 @@ def tapped_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def deep_dirs(tmp_path_factory):
+    """A draft of two decoder layers (`macspec distill --layers 2`)."""
+    root = tmp_path_factory.mktemp("deep")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    vocab = [i for i in range(66) if i % 5 != 4]
+    return target, make_draft(root / "draft", target, vocab_ids=vocab, layers=2)
+
+
+def other_pair(which, tapped_dirs, deep_dirs, **kw):
+    return macspec.load(*(tapped_dirs if which == "tapped layers" else deep_dirs), **kw)
+
+
+@pytest.fixture(scope="module")
 def eagle_only(eagle_dirs):
     """The eagle drafter alone, without the n-gram lookup tried first."""
     return macspec.load(*eagle_dirs, drafter="model")
@@ -92,9 +107,9 @@ def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
     assert type(stock.draft.fc) is nn.Linear and not stock.parts.native
 
 
-@pytest.mark.parametrize("which", ["final features", "tapped layers"])
-def test_greedy_speculative_equals_target_only(eagle_pair, tapped_dirs, which):
-    pair = eagle_pair if which == "final features" else macspec.load(*tapped_dirs)
+@pytest.mark.parametrize("which", ["final features", "tapped layers", "two layers"])
+def test_greedy_speculative_equals_target_only(eagle_pair, tapped_dirs, deep_dirs, which):
+    pair = eagle_pair if which == "final features" else other_pair(which, tapped_dirs, deep_dirs)
     rejected = accepted = 0
     for prompt in ["Once upon", "The cat sat on the", [1, 20, 30, 40, 5]]:
         plain = macspec.generate(pair, prompt, max_tokens=40, speculative=False)
@@ -124,14 +139,19 @@ def reference_logits(pair, parts, draft, context):
     return parts.logits(draft(feats[None], embeds[None])[0, -1:])
 
 
-@pytest.mark.parametrize("which", ["final features", "tapped layers"])
-def test_cache_after_rounds_matches_fresh_recomputation(eagle_only, tapped_dirs, which):
+@pytest.mark.parametrize("which", ["final features", "tapped layers", "two layers"])
+def test_cache_after_rounds_matches_fresh_recomputation(eagle_only, tapped_dirs, deep_dirs, which):
     """Drive the drafter through plain steps, partial and full acceptances and an abort; its
     first proposal each time must equal a from-scratch run of the draft over the context."""
-    pair = eagle_only if which == "final features" else macspec.load(*tapped_dirs, drafter="model")
+    pair = (
+        eagle_only
+        if which == "final features"
+        else other_pair(which, tapped_dirs, deep_dirs, drafter="model")
+    )
     drafter = pair.make_drafter(False)
     draft, parts = drafter.draft, drafter.parts
-    assert drafter.feature_layers == (() if which == "final features" else (0, 1))
+    assert drafter.feature_layers == ((0, 1) if which == "tapped layers" else ())
+    assert len(drafter.cache) == (2 if which == "two layers" else 1)
     soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
     context = [1, 10, 11, 12, 13, 14]
 
@@ -172,7 +192,7 @@ def test_a_long_prompt_is_fed_to_the_draft_in_chunks_at_start(eagle_only):
     context = [(7 * i) % 60 + 1 for i in range(1100)]
     hidden = hidden_states(pair.target, mx.array(context[:-1]), None, drafter.feature_layers)
     drafter.start(context, hidden)
-    assert drafter.cache.offset == len(context) - 2 and len(drafter.pending_ids) == 1
+    assert drafter.cache[0].offset == len(context) - 2 and len(drafter.pending_ids) == 1
     soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
     q0 = drafter.propose(1, soft, mx.random.key(0)).probs[0]
     parts = drafter.parts
@@ -212,12 +232,26 @@ def small_tapped_pair(tmp_path_factory):
     return pair
 
 
+@pytest.fixture(scope="module")
+def small_deep_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small_deep")
+    kw = {"chars": "abcd", "scale": 8.0, "vocab_rows": 9, "tie": False}
+    target = make_tiny_model(root / "target", seed=3, **kw)
+    draft = make_draft(
+        root / "draft", target, seed=2, vocab_ids=[0, 1, 3, 4, 5], noise=1.0, layers=2
+    )
+    pair = macspec.load(target, draft)
+    pair.eos_token_ids = frozenset()
+    return pair
+
+
 @pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: ",".join(map(str, o.values())))
-@pytest.mark.parametrize("which", ["final features", "tapped layers"])
+@pytest.mark.parametrize("which", ["final features", "tapped layers", "two layers"])
 def test_speculative_distribution_matches_target(
-    small_eagle_pair, small_tapped_pair, which, options
+    small_eagle_pair, small_tapped_pair, small_deep_pair, which, options
 ):
-    pair = small_eagle_pair if which == "final features" else small_tapped_pair
+    pairs = {"tapped layers": small_tapped_pair, "two layers": small_deep_pair}
+    pair = pairs.get(which, small_eagle_pair)
     prompt = [3, 4, 5, 3]
     expected = exact_joint(pair, prompt, 4, **options)
     counts = sample_prefixes(pair, prompt, 4, 800, num_draft=2, **options)

@@ -108,12 +108,17 @@ def eagle_pair(tmp_path_factory):
     return pair
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "ngram", "plain"])
+@pytest.mark.parametrize("drafter", ["eagle", "eagle, two layers", "ngram", "plain"])
 def test_eagle_ngram_and_plain_resume_exactly(eagle_pair, drafter, tmp_path):
     pair = eagle_pair
     options = {"speculative": False} if drafter == "plain" else {}
     if drafter == "ngram":
         pair = macspec.load(pair.target_path, drafter="ngram")
+        pair.eos_token_ids = frozenset()
+    if drafter == "eagle, two layers":
+        pair = macspec.load(
+            pair.target_path, make_draft(tmp_path / "deep", pair.target_path, layers=2)
+        )
         pair.eos_token_ids = frozenset()
     cache = PromptCache()
     prompt = archzoo.make_prompt(7)

@@ -95,15 +95,18 @@ def eagle_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0, layers=3)
     vocab = [i for i in range(66) if i % 5 != 4]
-    return target, make_draft(root / "draft", target, vocab_ids=vocab, feature_layers=(0, 1))
+    tapped = make_draft(root / "draft", target, vocab_ids=vocab, feature_layers=(0, 1))
+    return target, tapped, make_draft(root / "deep", target, vocab_ids=vocab, layers=2)
 
 
-@pytest.mark.parametrize("which", ["eagle", "eagle+ngram"])
+@pytest.mark.parametrize("which", ["eagle", "eagle+ngram", "eagle, two layers"])
 def test_greedy_tree_speculation_with_an_eagle_draft(eagle_dirs, monkeypatch, which):
     from macspec.engine.policy import FixedTree
     from macspec.engine.tree import TreeShape
 
-    pair = macspec.load(*eagle_dirs, drafter="model" if which == "eagle" else None)
+    target, tapped, deep = eagle_dirs
+    draft = deep if which == "eagle, two layers" else tapped
+    pair = macspec.load(target, draft, drafter=None if which == "eagle+ngram" else "model")
     policy = FixedTree(TreeShape(3, 2, 6))
     accepted = 0
     for prompt in ["Once upon", "The cat sat on the", [20]]:

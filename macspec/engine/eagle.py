@@ -1,6 +1,7 @@
-"""A feature-level draft (EAGLE, Li et al. 2024): one decoder layer that reads the target's own
-final hidden state and the next token's embedding, predicts the next hidden state, and turns it
-into tokens through the target's output head (rows cut to the ids the draft may propose).
+"""A feature-level draft (EAGLE, Li et al. 2024): a decoder layer (or a few: distill --layers)
+that reads the target's own final hidden state and the next token's embedding, predicts the next
+hidden state, and turns it into tokens through the target's output head (rows cut to the ids the
+draft may propose).
 
 Why this kind: reusing the target's features, embeddings and head leaves only "feature + next
 token -> next feature" to learn, with one layer's parameters and a step a small fraction of the
@@ -38,13 +39,17 @@ META = "draft.json"
 STOP_BELOW = 0.3
 
 
-def draft_config(target: nn.Module, feature_layers: tuple[int, ...] = ()) -> dict[str, Any]:
-    """The draft's decoder layer mirrors one layer of the target (same widths and RoPE);
-    `feature_layers`: target layers whose outputs the draft reads besides the final features."""
+def draft_config(
+    target: nn.Module, feature_layers: tuple[int, ...] = (), layers: int = 1
+) -> dict[str, Any]:
+    """The draft's decoder layers mirror one layer of the target (same widths and RoPE);
+    `feature_layers`: target layers whose outputs the draft reads besides the final features;
+    `layers`: how many decoder layers the draft stacks."""
     a = target.args
     heads = a.num_attention_heads
     return {
         "feature_layers": list(feature_layers),
+        "layers": layers,
         "hidden_size": a.hidden_size,
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(a, "num_key_value_heads", None) or heads,
@@ -57,7 +62,7 @@ def draft_config(target: nn.Module, feature_layers: tuple[int, ...] = ()) -> dic
 
 
 class EagleDraft(nn.Module):
-    """fc([norm(e), s]) -> one llama decoder layer -> predicted next feature (standardised).
+    """fc([norm(e), s]) -> llama decoder layer(s) -> predicted next feature (standardised).
 
     s, the state a position reads, is the target's standardised final feature z at positions
     where the target ran; with `feature_layers` (EAGLE-3's multi-layer features) it is a learned
@@ -98,6 +103,8 @@ class EagleDraft(nn.Module):
             self.proj.bias = mx.zeros((h,))
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = llama.TransformerBlock(args)
+        # Layers after the first (config "layers", 1 in drafts made before it existed).
+        self.more = [llama.TransformerBlock(args) for _ in range(config.get("layers", 1) - 1)]
         self.feature_mean = mx.zeros((width,))
         self.feature_std = mx.ones((width,))
         self.freeze(keys=["feature_mean", "feature_std"], recurse=False)
@@ -111,10 +118,21 @@ class EagleDraft(nn.Module):
         z = (features - self.feature_mean) / self.feature_std
         return self.proj(z) if self.feature_layers else z
 
-    def step(self, state: mx.array, embeds: mx.array, cache: KVCache | None = None) -> mx.array:
-        """Predicted next final feature, standardised: it is also the next position's state."""
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return [self.layer, *self.more]
+
+    def step(
+        self, state: mx.array, embeds: mx.array, cache: list[KVCache] | None = None
+    ) -> mx.array:
+        """Predicted next final feature, standardised: it is also the next position's state.
+        `cache`: one KVCache per decoder layer."""
         x = self.fc(mx.concatenate([self.embed_norm(embeds), state], -1))
-        return self.layer(x, create_attention_mask(x, cache), cache=cache)
+        cache = cache or [None] * len(self.blocks)
+        mask = create_attention_mask(x, cache[0])
+        for block, c in zip(self.blocks, cache, strict=True):
+            x = block(x, mask, cache=c)
+        return x
 
     def decode(self, out: mx.array) -> mx.array:
         """A standardised prediction back in the target's final-feature space (for its head)."""
@@ -122,7 +140,7 @@ class EagleDraft(nn.Module):
         return self.feature_mean[-h:] + self.feature_std[-h:] * out
 
     def __call__(
-        self, features: mx.array, embeds: mx.array, cache: KVCache | None = None
+        self, features: mx.array, embeds: mx.array, cache: list[KVCache] | None = None
     ) -> mx.array:
         return self.decode(self.step(self.state(features), embeds, cache))
 
@@ -176,12 +194,15 @@ class EagleDrafter:
         self.draft, self.parts, self.vocab_size = draft, parts, vocab_size
         self.feature_layers = draft.feature_layers  # the target keeps these layers' outputs
         self.stop_below = stop_below
-        self.cache = KVCache()
+        self.cache = self._fresh()  # one KVCache per draft layer
         self.pending_f: list[mx.array] = []  # (n, H) real features
         self.pending_ids: list[int] = []  # the id that follows each pending feature
         self._offset = 0
         self._fed = 0  # pending pairs fed by the current proposal
         self._proposed = False
+
+    def _fresh(self) -> list[KVCache]:
+        return [KVCache() for _ in self.draft.blocks]
 
     def _queue(self, hidden: mx.array | None, ids: list[int]) -> None:
         if not ids and hidden is None:  # a one-token prompt: the target read nothing yet
@@ -201,9 +222,9 @@ class EagleDrafter:
     def snapshot(self) -> DraftState:
         """The cache and the pending features (positions cache.offset.. of the context)."""
         features = mx.concatenate(self.pending_f) if self.pending_f else None
-        held = self.cache.offset + len(self.pending_ids)
+        held = self.cache[0].offset + len(self.pending_ids)
         extra = (features, list(self.pending_ids))
-        return DraftState(self.state_kind, [self.cache], held, lookahead=1, extra=extra)
+        return DraftState(self.state_kind, list(self.cache), held, lookahead=1, extra=extra)
 
     def resume(
         self,
@@ -215,12 +236,12 @@ class EagleDrafter:
     ) -> None:
         """Start from `state` holding the first n positions; `hidden`: the target's features of
         positions n.. (those it read after them)."""
-        self.cache, self.pending_f, self.pending_ids = KVCache(), [], []
+        self.cache, self.pending_f, self.pending_ids = self._fresh(), [], []
         self._proposed = False
         if state is not None:
-            self.cache = state.cache[0]
+            self.cache = list(state.cache)
             features, ids = state.extra
-            kept = n - self.cache.offset  # positions past the cache: from its pending features
+            kept = n - self.cache[0].offset  # positions past the cache: from its pending features
             if kept > 0:
                 self.pending_f, self.pending_ids = [features[:kept]], ids[:kept]
         # Prompt position t pairs the target's feature f_t with the id x_{t+1}.
@@ -239,7 +260,7 @@ class EagleDrafter:
             state = self.draft.state(features[i : min(n, i + chunk)][None])
             ids = mx.array(self.pending_ids[i : min(n, i + chunk)], dtype=mx.int32)
             self.draft.step(state, self.parts.embed(ids)[None], self.cache)
-            mx.eval(self.cache.state)
+            mx.eval([c.state for c in self.cache])
         self.pending_f, self.pending_ids = [features[n:]], self.pending_ids[n:]
 
     def _full(self, small: mx.array) -> mx.array:
@@ -252,7 +273,7 @@ class EagleDrafter:
         return None
 
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
-        self._offset, self._proposed = self.cache.offset, True
+        self._offset, self._proposed = self.cache[0].offset, True
         self._fed = len(self.pending_ids)
         if not self.pending_ids:  # cannot happen after the engine's first plain step
             raise ModelError("the eagle draft has no target feature to draft from")
@@ -283,14 +304,14 @@ class EagleDrafter:
     def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
         """Candidates as a tree (tree.grow): each kept node's predicted feature feeds its
         children, a level at a time in one tree pass of the draft layer."""
-        self._offset, self._proposed = self.cache.offset, True
+        self._offset, self._proposed = self.cache[0].offset, True
         self._fed = len(self.pending_ids)
         if not self.pending_ids:
             raise ModelError("the eagle draft has no target feature to draft from")
         state = self.draft.state(mx.concatenate(self.pending_f)[None])
         embeds = self.parts.embed(mx.array(self.pending_ids, dtype=mx.int32))[None]
         outs = {-1: self.draft.step(state, embeds, self.cache)[0, -1:]}  # node -> its output
-        context, fed = self.cache.offset, []
+        context, fed = self.cache[0].offset, []
         vocab = self.parts.vocab_ids.tolist()
 
         def probs(out: mx.array) -> mx.array:
@@ -301,7 +322,7 @@ class EagleDrafter:
             states = mx.concatenate([outs[t.parents[i]] for i in nodes])[None]
             ids = mx.array([t.tokens[i] for i in nodes], dtype=mx.int32)
             depths = [t.depths[i] for i in nodes]
-            with tree.tree_pass(self.draft, [self.cache], mask, depths, context - 1):
+            with tree.tree_pass(self.draft, self.cache, mask, depths, context - 1):
                 out = self.draft.step(states, self.parts.embed(ids)[None], self.cache)[0]
             fed.extend(nodes)
             outs.update({i: out[r : r + 1] for r, i in enumerate(nodes)})
@@ -320,7 +341,7 @@ class EagleDrafter:
     ) -> None:
         if k > 0 and self._proposed:
             # Keep the positions fed with real features; drop those fed with predicted ones.
-            caches.rewind([self.cache], self._offset + self._fed)
+            caches.rewind(self.cache, self._offset + self._fed)
             self.pending_f, self.pending_ids = [], []
         self._proposed = False
         # The kept positions (the previous last id and the accepted drafts) and their next ids.
@@ -328,7 +349,7 @@ class EagleDrafter:
 
     def abort(self, k: int) -> None:
         if self._proposed:
-            caches.rewind([self.cache], self._offset)
+            caches.rewind(self.cache, self._offset)
         self._proposed = False
 
 
@@ -396,7 +417,7 @@ def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
     generation, sharing the weights and the target's embedding and head."""
     draft, vocab_ids, meta = read_draft_for(path, pair.target)
     if pair.kernels:
-        kernels.accelerate_layers([draft.layer])  # the same CPU kernels as the target's layers
+        kernels.accelerate_layers(draft.blocks)  # the same CPU kernels as the target's layers
         kernels.switch_products(draft)  # its input projections too
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
     parts = TargetParts(pair.target, vocab_ids, native=pair.kernels)

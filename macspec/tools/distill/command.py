@@ -43,6 +43,7 @@ class _Run:
     out: Path
     work: Path
     taps: tuple[int, ...]
+    layers: int
     prompts: list[list[int]]
     start_from: tuple[Any, list[int], Path] | None
     progress: bool
@@ -63,7 +64,7 @@ def distill(
     the output, so an interrupted run continues with resume=True. Returns the draft's directory."""
     run = _prepare(target, output, DistillConfig.of(config, **options), progress)
     data, data_seconds = _sample(run)
-    shape = draft_config(run.pair.target, run.taps)
+    shape = draft_config(run.pair.target, run.taps, run.layers)
     draft, vocab_ids, facts = _train(run, data, shape)
     staged = _stage(run, draft, vocab_ids, shape)
     say("evaluating on the built-in prompts (held out from training)")
@@ -106,12 +107,13 @@ def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _R
     pair = load(target)  # raises ModelError for a missing target
     start_from = None if cfg.init is None else init_draft(cfg.init, pair)
     taps = _taps(cfg.feature_layers, pair, start_from)
+    layers = _layers(cfg.layers, start_from)
     ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
     fits = _fitting(ids, cfg, pair)
     if not fits:
         raise PromptError(f"no training prompt fits the target's context of {pair.context_length}")
     _writable(work)
-    run = _Run(cfg, pair, out, work, taps, fits, start_from, progress)
+    run = _Run(cfg, pair, out, work, taps, layers, fits, start_from, progress)
     _record(run)
     return run
 
@@ -136,6 +138,17 @@ def _taps(feature_layers: str | None, pair: Any, start_from: tuple | None) -> tu
     return taps
 
 
+def _layers(layers: int | None, start_from: tuple | None) -> int:
+    """The draft's decoder layers: the option's, else 1 or the --init draft's (never fewer)."""
+    had = 1 if start_from is None else len(start_from[0].blocks)
+    if layers is not None and layers < had:
+        raise OptionError(
+            f"the draft {start_from[2]} has {had} decoder layers: continue it with {had} or "
+            f"more, not layers={layers}"
+        )
+    return had if layers is None else layers
+
+
 def _record(run: _Run) -> None:
     """Write run.json, refusing a work directory whose data was made with other settings."""
     cfg = run.config
@@ -147,6 +160,7 @@ def _record(run: _Run) -> None:
         "prompts": len(run.prompts),
         "self_prompts": cfg.self_prompts,
         "feature_layers": list(run.taps),
+        "layers": run.layers,
         "vocab": cfg.vocab,
         "unroll": cfg.unroll,
         "epochs": cfg.epochs,

@@ -25,7 +25,9 @@ class DistillConfig:
     and a high layer, as EAGLE-3), "none" (the final features only) or comma-separated layer
     indices; by default "auto", or with `init` the layers that draft reads. An `init` draft
     reading the final features only can be given layers: it is widened, starting out exactly
-    as it was (training.widen_draft)."""
+    as it was (training.widen_draft). `layers`: the draft's decoder layers, by default 1 or
+    the `init` draft's; more than that draft's adds layers that start as the identity
+    (training.deepen_draft)."""
 
     kind: str = _opt("eagle", "draft kind", choices=("eagle",))
     tokens: int = _opt(60_000, "target tokens to sample")
@@ -47,6 +49,12 @@ class DistillConfig:
         "high one; the default), none, or indices such as 2,15,27 (with --init: that draft's "
         "layers, or layers for a draft that has none)",
     )
+    layers: int | None = _opt(
+        None,
+        "decoder layers of the draft (default 1, or with --init that draft's; more adds layers "
+        "that start as the identity)",
+        type=int,
+    )
     eval_tokens: int = _opt(96, "tokens per evaluation prompt")
     init: str | None = _opt(
         None,
@@ -65,6 +73,11 @@ class DistillConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OptionError(f"invalid {name}={value!r}: must be an integer >= 1")
+        value = self.layers
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise OptionError(f"invalid layers={value!r}: must be an integer >= 1")
         value = self.self_prompts
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise OptionError(f"invalid self_prompts={value!r}: must be an integer >= 0")

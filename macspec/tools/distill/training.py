@@ -62,13 +62,12 @@ def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[
     keys up to j (the draft cache holds real positions there) and to step r's key at j + r for
     r = 1..s (the positions this proposal fed). Attending to all of step s's own keys instead
     would train later positions on contexts of nothing but guesses, which drafting never sees."""
-    block, attn = draft.layer, draft.layer.self_attn
     b, n, _ = embeds.shape
     e = draft.embed_norm(embeds)
     pos = mx.arange(n)
-    repeat = attn.n_heads // attn.n_kv_heads
-    keys: list[mx.array] = []
-    values: list[mx.array] = []
+    blocks = draft.blocks
+    keys: list[list[mx.array]] = [[] for _ in blocks]  # per layer, per step
+    values: list[list[mx.array]] = [[] for _ in blocks]
     outs = []
 
     def heads(x: mx.array, count: int) -> mx.array:
@@ -81,29 +80,32 @@ def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[
 
     for s in range(steps):
         x = draft.fc(mx.concatenate([e, state], axis=-1))
-        h = block.input_layernorm(x)
-        q = attn.rope(heads(attn.q_proj(h), attn.n_heads)) * attn.scale
-        keys.append(mx.repeat(attn.rope(heads(attn.k_proj(h), attn.n_kv_heads)), repeat, axis=1))
-        values.append(mx.repeat(heads(attn.v_proj(h), attn.n_kv_heads), repeat, axis=1))
         # Real keys up to the anchor (at least key 0, so rows without an anchor stay finite;
         # their positions carry no loss).
         real = pos[None, :] <= mx.maximum(pos[:, None] - s, 0)
-        scores = [mx.where(real, q @ keys[0].transpose(0, 1, 3, 2), -mx.inf)]
-        diag = []
-        for r in range(1, s + 1):
-            k_r, v_r = shifted(keys[r], s - r), shifted(values[r], s - r)
-            score = (q * k_r).sum(-1, keepdims=True)
-            scores.append(mx.where((pos >= s - r)[:, None], score, -mx.inf))
-            diag.append(v_r)
-        w = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
-        o = w[..., :n] @ values[0]
-        for r, v_r in enumerate(diag):
-            o = o + w[..., n + r : n + r + 1] * v_r
-        x = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
-        out = x + block.mlp(block.post_attention_layernorm(x))
-        outs.append(out)
+        for block, ks, vs in zip(blocks, keys, values, strict=True):
+            attn = block.self_attn
+            repeat = attn.n_heads // attn.n_kv_heads
+            h = block.input_layernorm(x)
+            q = attn.rope(heads(attn.q_proj(h), attn.n_heads)) * attn.scale
+            ks.append(mx.repeat(attn.rope(heads(attn.k_proj(h), attn.n_kv_heads)), repeat, axis=1))
+            vs.append(mx.repeat(heads(attn.v_proj(h), attn.n_kv_heads), repeat, axis=1))
+            scores = [mx.where(real, q @ ks[0].transpose(0, 1, 3, 2), -mx.inf)]
+            diag = []
+            for r in range(1, s + 1):
+                k_r, v_r = shifted(ks[r], s - r), shifted(vs[r], s - r)
+                score = (q * k_r).sum(-1, keepdims=True)
+                scores.append(mx.where((pos >= s - r)[:, None], score, -mx.inf))
+                diag.append(v_r)
+            w = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+            o = w[..., :n] @ vs[0]
+            for r, v_r in enumerate(diag):
+                o = o + w[..., n + r : n + r + 1] * v_r
+            x = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        outs.append(x)
         # Position t's next state: this step's prediction made at t - 1.
-        state = mx.concatenate([state[:, :1], out[:, :-1]], axis=1)
+        state = mx.concatenate([state[:, :1], x[:, :-1]], axis=1)
     return outs
 
 
@@ -224,8 +226,24 @@ def start_draft(
         return draft, vocab_ids
     draft, vocab_ids = start_from[0], start_from[1]
     if config["feature_layers"] and not draft.feature_layers:
-        draft = widen_draft(draft, config, data.feature_stats())
+        draft = widen_draft(draft, {**config, "layers": len(draft.blocks)}, data.feature_stats())
+    if config["layers"] > len(draft.blocks):
+        draft = deepen_draft(draft, config)
     return draft, vocab_ids
+
+
+def deepen_draft(draft: Any, config: dict) -> Any:
+    """`draft` with the decoder layers `config` adds after its own, each starting as the
+    identity (its attention and MLP output projections zero, so the residual passes through):
+    it predicts exactly what `draft` did until training teaches the new layers a correction."""
+    deep = EagleDraft(config)
+    deep.update(tree_unflatten(params(draft)))
+    deep.init_from_features(draft.feature_mean, draft.feature_std)
+    for block in deep.blocks[len(draft.blocks) :]:
+        block.self_attn.o_proj.weight = mx.zeros_like(block.self_attn.o_proj.weight)
+        block.mlp.down_proj.weight = mx.zeros_like(block.mlp.down_proj.weight)
+    mx.eval(deep.parameters())
+    return deep
 
 
 def widen_draft(draft: Any, config: dict, stats: tuple[mx.array, mx.array]) -> Any:
