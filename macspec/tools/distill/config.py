@@ -70,17 +70,10 @@ class DistillConfig:
                 "draft reached 0.35 agreement on this budget, see macspec/engine/eagle.py)"
             )
         for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise OptionError(f"invalid {name}={value!r}: must be an integer >= 1")
-        value = self.layers
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise OptionError(f"invalid layers={value!r}: must be an integer >= 1")
-        value = self.self_prompts
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise OptionError(f"invalid self_prompts={value!r}: must be an integer >= 0")
+            _check_count(name, getattr(self, name), 1)
+        if self.layers is not None:
+            _check_count("layers", self.layers, 1)
+        _check_count("self_prompts", self.self_prompts, 0)
 
     @classmethod
     def of(cls, config: DistillConfig | None = None, **options: Any) -> DistillConfig:
@@ -96,6 +89,11 @@ class DistillConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DistillConfig:
         return cls(**{name: getattr(args, name) for name in NAMES})
+
+
+def _check_count(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise OptionError(f"invalid {name}={value!r}: must be an integer >= {least}")
 
 
 NAMES = tuple(f.name for f in fields(DistillConfig))

@@ -237,8 +237,7 @@ def deepen_draft(draft: Any, config: dict) -> Any:
     identity (its attention and MLP output projections zero, so the residual passes through):
     it predicts exactly what `draft` did until training teaches the new layers a correction."""
     deep = EagleDraft(config)
-    deep.update(tree_unflatten(params(draft)))
-    deep.init_from_features(draft.feature_mean, draft.feature_std)
+    deep.update(tree_unflatten(params(draft)))  # its feature statistics too (frozen, not gone)
     for block in deep.blocks[len(draft.blocks) :]:
         block.self_attn.o_proj.weight = mx.zeros_like(block.self_attn.o_proj.weight)
         block.mlp.down_proj.weight = mx.zeros_like(block.mlp.down_proj.weight)
