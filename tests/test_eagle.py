@@ -303,3 +303,17 @@ def test_target_parts_head_matches_the_target(eagle_pair):
     h = hidden_states(eagle_pair.target, mx.array([1, 5, 6]), None)
     full = eagle_pair.target.lm_head(h)
     assert mx.allclose(parts.logits(h), full[:, mx.array([3, 7, 9])], atol=1e-4).item()
+
+
+def test_a_state_of_another_depth_is_refused(eagle_only, deep_dirs):
+    """A draft state resumes only a draft of as many layers (one KVCache each): a one-layer
+    draft's state given to a two-layer draft raises instead of drafting from half a cache."""
+    from macspec.errors import CacheError
+
+    context = [1, 10, 11, 12, 13]
+    shallow = eagle_only.make_drafter(False)
+    shallow.start(context, hidden_states(eagle_only.target, mx.array(context[:-1]), None))
+    state = shallow.snapshot()
+    deep = macspec.load(*deep_dirs, drafter="model").make_drafter(False)
+    with pytest.raises(CacheError, match="1 layers cannot resume a draft of 2"):
+        deep.resume(state, context, len(context) - 1)

@@ -27,7 +27,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..errors import ModelError
+from ..errors import CacheError, ModelError
 from . import caches, kernels, products, tree
 from .drafters import DistFn, DraftState, Proposal
 from .sampling import sample
@@ -239,6 +239,11 @@ class EagleDrafter:
         self.cache, self.pending_f, self.pending_ids = self._fresh(), [], []
         self._proposed = False
         if state is not None:
+            if len(state.cache) != len(self.draft.blocks):  # another draft's state
+                raise CacheError(
+                    f"a draft state of {len(state.cache)} layers cannot resume a draft of "
+                    f"{len(self.draft.blocks)}"
+                )
             self.cache = list(state.cache)
             features, ids = state.extra
             kept = n - self.cache[0].offset  # positions past the cache: from its pending features
