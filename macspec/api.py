@@ -302,7 +302,7 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     drafter = pair.make_drafter(opts.adaptive) if opts.speculative else None
     adaptive = drafter is not None and opts.adaptive
-    if adaptive and pair.costs is None:  # a sharded pair measures at first use
+    if adaptive and pair.costs is None:  # sharded, or loaded with measure=False: measured now
         pair.costs = calibrate(pair)
     if drafter is not None and opts.tree_nodes:
         pair.check_trees()

@@ -40,7 +40,7 @@ class Pair:
     context_length: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     timing: Timing = field(default_factory=Timing)
-    costs: Costs | None = None  # measured at load (distributed: at first use; see calibrate)
+    costs: Costs | None = None  # measured at load (distributed, measure=False: at first use)
     calibration_time: float = 0.0  # seconds load() spent measuring them
     group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
@@ -159,6 +159,7 @@ def load(
     drafter: str | None = None,
     group: mx.distributed.Group | None = None,
     kernels: bool | None = None,
+    measure: bool = True,
 ) -> Pair:
     """Load a target and (optionally) a draft: directories or store names.
 
@@ -166,7 +167,8 @@ def load(
     `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
     (the draft model only), or "ngram" (no draft model: copy from the prompt and output).
     `kernels`: macspec's CPU layer kernels (engine/kernels.py) instead of mlx-lm's layers; by
-    default on, unless the environment sets MACSPEC_KERNELS=0."""
+    default on, unless the environment sets MACSPEC_KERNELS=0. `measure`: measure this machine's
+    costs for the adaptive policy now (else at the first adaptive speculative generation)."""
     if kernels is None:
         kernels = os.environ.get(KERNELS_ENV, "1") != "0"
     if drafter is not None and drafter not in DRAFTERS:
@@ -228,7 +230,7 @@ def load(
             )
     if group is None:
         pair.prompt_cache = prompt_cache(os.environ.get(PROMPT_CACHE_ENV))
-    if pair.drafter_factory is not None and group is None:
+    if pair.drafter_factory is not None and group is None and measure:
         # Paid here, and said, rather than inside the first answer (issue: a first short
         # answer measured 0.78x plain with the ~3 s of measuring inside it).
         t0 = time.perf_counter()

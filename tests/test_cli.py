@@ -38,6 +38,32 @@ def test_generate_streams_text_and_a_summary(tiny_dirs, capsys):
     assert "ngram drafting" in captured.err and "tok/s" in captured.err
 
 
+def test_no_speculation_decodes_without_measuring_the_machine(tiny_dirs, capsys, monkeypatch):
+    import macspec.api
+    import macspec.pair
+
+    def refuse(pair):
+        raise AssertionError("plain decoding measured the speculation costs")
+
+    target, draft = map(str, tiny_dirs)
+    monkeypatch.setattr(macspec.pair, "calibrate", refuse)
+    args = ["generate", "Hi", "--target", target, "--draft", draft, "--raw-prompt"]
+    assert main([*args, "--max-tokens", "12", "--no-speculation"]) == 0
+    captured = capsys.readouterr()
+    assert "measured this machine" not in captured.err
+    pair = macspec.load(target, draft, measure=False)
+    assert pair.costs is None
+    assert (
+        captured.out == macspec.generate(pair, "Hi", max_tokens=12, speculative=False).text + "\n"
+    )
+    # Speculating later on such a pair measures then, once.
+    calls, real = [], macspec.api.calibrate
+    monkeypatch.setattr(macspec.api, "calibrate", lambda p: calls.append(p) or real(p))
+    macspec.generate(pair, "Hi", max_tokens=6)
+    macspec.generate(pair, "Hi", max_tokens=6)
+    assert calls == [pair]
+
+
 def test_the_summary_compares_with_plain_decoding_only_when_it_speculated(pair):
     spec = macspec.generate(pair, "Hi", max_tokens=12, num_draft=2, adaptive=False)
     assert "x plain: " in spec.stats.summary()

@@ -41,7 +41,9 @@ def load_pair(args: argparse.Namespace) -> Pair:
         from ..models.catalog import ensure_pair
 
         target, draft = ensure_pair(args.pair)
-    pair = load(target, draft, drafter=args.drafter, group=init_group())
+    # Decoding plainly needs no costs: not the ~10 s of measuring them before the first token.
+    measure = getattr(args, "speculative", True)
+    pair = load(target, draft, drafter=args.drafter, group=init_group(), measure=measure)
     serve_if_follower(pair)
     return pair
 
