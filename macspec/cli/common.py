@@ -41,7 +41,7 @@ def load_pair(args: argparse.Namespace) -> Pair:
         from ..models.catalog import ensure_pair
 
         target, draft = ensure_pair(args.pair)
-    # Decoding plainly needs no costs: not the ~10 s of measuring them before the first token.
+    # Decoding plainly needs no costs: not the seconds of measuring them before its first token.
     measure = getattr(args, "speculative", True)
     pair = load(target, draft, drafter=args.drafter, group=init_group(), measure=measure)
     serve_if_follower(pair)
