@@ -64,6 +64,19 @@ def test_no_speculation_decodes_without_measuring_the_machine(tiny_dirs, capsys,
     assert calls == [pair]
 
 
+def test_speculating_commands_measure_the_machine_at_load(tiny_dirs, capsys, monkeypatch):
+    import macspec.api
+
+    def refuse(pair):
+        raise AssertionError("the first answer measured the speculation costs")
+
+    target, draft = map(str, tiny_dirs)
+    monkeypatch.setattr(macspec.api, "calibrate", refuse)
+    args = ["generate", "Hi", "--target", target, "--draft", draft, "--max-tokens", "8"]
+    assert main(args) == 0
+    assert "measured this machine" in capsys.readouterr().err
+
+
 def test_the_summary_compares_with_plain_decoding_only_when_it_speculated(pair):
     spec = macspec.generate(pair, "Hi", max_tokens=12, num_draft=2, adaptive=False)
     assert "x plain: " in spec.stats.summary()

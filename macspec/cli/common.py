@@ -42,7 +42,7 @@ def load_pair(args: argparse.Namespace) -> Pair:
 
         target, draft = ensure_pair(args.pair)
     # Decoding plainly needs no costs: not the seconds of measuring them before its first token.
-    measure = getattr(args, "speculative", True)
+    measure = options.from_args(args).get("speculative", options.DEFAULTS.speculative)
     pair = load(target, draft, drafter=args.drafter, group=init_group(), measure=measure)
     serve_if_follower(pair)
     return pair
