@@ -46,9 +46,7 @@ class GenerationOptions:
             return OptionError(f"invalid {name}={getattr(self, name)!r}: {rule}")
 
         for name in ("max_tokens", "num_draft"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad(name, "must be an integer >= 1")
+            check_count(name, getattr(self, name), 1)
         nodes = self.tree_nodes
         if isinstance(nodes, bool) or not isinstance(nodes, int) or not 0 <= nodes <= 16:
             raise bad("tree_nodes", "must be an integer from 0 (chains) to 16")
@@ -84,6 +82,12 @@ class GenerationOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_count(name: str, value: Any, least: int) -> None:
+    """An OptionError unless `value` is an integer (not a bool) >= `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise OptionError(f"invalid {name}={value!r}: must be an integer >= {least}")
 
 
 NAMES = tuple(f.name for f in fields(GenerationOptions))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ...errors import OptionError
+from ...options import check_count
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -70,10 +71,10 @@ class DistillConfig:
                 "draft reached 0.35 agreement on this budget, see macspec/engine/eagle.py)"
             )
         for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
-            _check_count(name, getattr(self, name), 1)
+            check_count(name, getattr(self, name), 1)
         if self.layers is not None:
-            _check_count("layers", self.layers, 1)
-        _check_count("self_prompts", self.self_prompts, 0)
+            check_count("layers", self.layers, 1)
+        check_count("self_prompts", self.self_prompts, 0)
 
     @classmethod
     def of(cls, config: DistillConfig | None = None, **options: Any) -> DistillConfig:
@@ -89,11 +90,6 @@ class DistillConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DistillConfig:
         return cls(**{name: getattr(args, name) for name in NAMES})
-
-
-def _check_count(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise OptionError(f"invalid {name}={value!r}: must be an integer >= {least}")
 
 
 NAMES = tuple(f.name for f in fields(DistillConfig))
