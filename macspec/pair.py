@@ -15,7 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .engine import caches, kernels
+from .cpu import kernels
+from .engine import caches
 from .engine.calibrate import calibrate
 from .engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine.policy import Costs
@@ -166,7 +167,7 @@ def load(
     With no target, the embedded default pair is used (fetched and converted on first use).
     `drafter`: None (the draft model, trying an n-gram copy from the context first), "model"
     (the draft model only), or "ngram" (no draft model: copy from the prompt and output).
-    `kernels`: macspec's CPU layer kernels (engine/kernels.py) instead of mlx-lm's layers; by
+    `kernels`: macspec's CPU layer kernels (cpu/kernels.py) instead of mlx-lm's layers; by
     default on, unless the environment sets MACSPEC_KERNELS=0. `measure`: measure this machine's
     costs for the adaptive policy now (else at the first adaptive speculative generation)."""
     if kernels is None:

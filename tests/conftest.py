@@ -52,7 +52,7 @@ def native_calls(monkeypatch):
     """Counts the native layer primitives the switched layers call, by name."""
     from collections import Counter
 
-    from macspec.engine import kernels, native
+    from macspec.cpu import kernels, native
 
     ext, calls = native.load(), Counter()
 

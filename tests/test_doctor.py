@@ -207,7 +207,7 @@ def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
 
 def fresh_native(monkeypatch, home):
     """native.load() starts over, switched on, building into `home` (not the cached build)."""
-    from macspec.engine import native
+    from macspec.cpu import native
 
     for name, value in (("_tried", False), ("_module", None), ("reason", None)):
         monkeypatch.setattr(native, name, value)
@@ -221,7 +221,7 @@ def test_the_native_products_build_wherever_they_are_meant_to(monkeypatch, tmp_p
     CPUs, and every user there silently got mlx's slower products)."""
     import importlib.util
 
-    from macspec.engine import native
+    from macspec.cpu import native
 
     fresh_native(monkeypatch, tmp_path)
     ext = native.load()
@@ -236,7 +236,7 @@ def test_a_failed_native_build_leaves_mlx_products_and_says_why(monkeypatch, tmp
     """A compiler that fails: no extension, mlx's own products, and a reason naming the step."""
     import shutil
 
-    from macspec.engine import native, products
+    from macspec.cpu import native, products
 
     if shutil.which("false") is None:
         pytest.skip("no `false` command to stand in for a failing compiler")

@@ -98,7 +98,7 @@ def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
     assert check(*eagle_dirs).compatible
     # With the CPU kernels, the draft's products (its layer, its input projection and its head
     # rows) run the native products where they are built; without them, mlx's own.
-    from macspec.engine import products
+    from macspec.cpu import products
 
     native = products.active() and mx.default_device() == mx.cpu
     assert ("_macspec_stock" in type(drafter.draft.fc).__dict__) == native

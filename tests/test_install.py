@@ -78,7 +78,7 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     assert "macspec/ui/chat.tcss" in names
     # the native kernels' sources, built on the user's machine
     assert {
-        f"macspec/engine/csrc/{n}"
+        f"macspec/cpu/csrc/{n}"
         for n in ("cpu_linear.cpp", "cpu_layer.cpp", "cpu_attention.cpp", "common.h", "layer.h")
     } <= names
 
@@ -95,7 +95,7 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     env = {**os.environ, "MACSPEC_HOME": str(_default_home())}
     script = (
         "import json, macspec\n"
-        "from macspec.engine import native, products\n"
+        "from macspec.cpu import native, products\n"
         "pair = macspec.load()\n"
         "print(json.dumps({'module': macspec.__file__, 'kind': pair.drafter_kind,\n"
         "                  'draft': str(pair.draft_path), 'target': pair.target_path.name,\n"
@@ -113,7 +113,7 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     assert got["target"] == default.store_name(default.default_format()[0])
     # The native products come from the installed package's own source, and are in use wherever
     # they are in use for the suite itself.
-    from macspec.engine import native
+    from macspec.cpu import native
 
     source, active, reason = got["native"]
     assert Path(source) == package / "engine" / "csrc" / "cpu_linear.cpp"

@@ -13,7 +13,7 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
 from tinymodels import chunk_logits, llama_like
 
-from macspec.engine import kernels
+from macspec.cpu import kernels
 
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 

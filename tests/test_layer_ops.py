@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models import llama, qwen2
 from tinymodels import chunk_logits, llama_like
 
-from macspec.engine import blocks, kernels, native
+from macspec.cpu import blocks, kernels, native
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")

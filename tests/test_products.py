@@ -1,4 +1,4 @@
-"""Native few-row products (engine/products.py, engine/native.py): mlx's numbers, same weights."""
+"""Native few-row products (cpu/products.py, cpu/native.py): mlx's numbers, same weights."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tinymodels import chunk_logits, llama_like
 
-from macspec.engine import blocks, kernels, native, products
+from macspec.cpu import blocks, kernels, native, products
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native products unavailable: {native.reason}")
@@ -190,7 +190,7 @@ def test_thread_pool_restarts_and_runs_without_hanging():
     # chunk of the next without running it).
     code = (
         "import macspec, mlx.core as mx\n"
-        "from macspec.engine import native\n"
+        "from macspec.cpu import native\n"
         "ext = native.load()\n"
         "x, w = mx.ones((3, 64)), mx.ones((256, 64))\n"
         "for i in range(300):\n"

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..backend import cache_home
-from . import blocks, kernels
+from ..cpu import blocks, kernels
 from .distributed import guard, make_target
 from .drafters import Drafter, HybridDrafter, Proposal
 from .policy import Costs

@@ -28,7 +28,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError, ModelError
-from . import caches, kernels, products, tree
+from ..cpu import kernels, products
+from . import caches, tree
 from .drafters import DistFn, DraftState, Proposal
 from .sampling import sample
 

@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CacheError
-from . import caches, kernels
+from ..cpu import kernels
+from . import caches
 from .drafters import DistFn, Drafter, prefill
 from .policy import FixedK, Policy
 from .prefix import PromptCache

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import OptionError
-from .kernels import softmax
+from ..cpu.kernels import softmax
 
 
 @dataclass(frozen=True)

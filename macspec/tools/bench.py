@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from .. import backend as be
 from ..api import prompt_ids, stream_generate
-from ..engine import kernels
+from ..cpu import kernels
 from ..errors import MacspecError, OptionError
 from ..options import GenerationOptions
 from .bench_plan import _NEEDS_DRAFT, METHODS, Method, load_pairs, plan_methods

@@ -60,7 +60,7 @@ def diagnose() -> dict[str, Any]:
 
 def layer_kernels() -> str:
     """Which of macspec's CPU layer kernels run: native primitives, or whole-array mlx ops."""
-    from ..engine import blocks, kernels, native, products
+    from ..cpu import blocks, kernels, native, products
 
     if kernels.native_layers() is not None:
         fused = (
@@ -79,7 +79,7 @@ def layer_kernels() -> str:
 def native_products() -> str:
     """Whether the weight products of a few rows run macspec's native kernels (built on first
     use), and on how many threads."""
-    from ..engine import native, products
+    from ..cpu import native, products
 
     ext = native.load()
     if ext is None:
@@ -216,7 +216,8 @@ def verify_costs(
     import macspec
 
     from .. import backend as be
-    from ..engine import caches, kernels
+    from ..cpu import kernels
+    from ..engine import caches
     from ..engine.round import hidden_states, output_head
     from ..engine.sampling import SamplingOptions, distribution, sample
 

@@ -1,7 +1,7 @@
 // Matrix products for a few rows on MLX's CPU backend: y = x @ W.T for float32 W, and for MLX's
 // affine 4- and 8-bit quantized W. One pass over the weights serves every row (verifying K
 // drafts reads them once), split over the cores. Built on the user's machine by
-// macspec/engine/native.py with -march=native; macspec falls back to mlx's own ops without it.
+// macspec/cpu/native.py with -march=native; macspec falls back to mlx's own ops without it.
 //
 // Each output y[m, n] is computed in the same order whatever the number of rows and threads, so a
 // plain step and a verification row give bit-identical results for identical inputs.
