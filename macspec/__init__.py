@@ -14,7 +14,7 @@ from .api import (  # noqa: E402
     stream_generate,
 )
 from .backend import BlasWarning  # noqa: E402
-from .engine.sampling import SamplingOptions  # noqa: E402
+from .core.sampling import SamplingOptions  # noqa: E402
 from .errors import (  # noqa: E402
     CacheError,
     CompatError,

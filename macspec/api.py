@@ -12,12 +12,12 @@ from typing import Any
 import mlx.core as mx
 
 from . import chat_template
-from .engine import policy
-from .engine.calibrate import calibrate
-from .engine.distributed import guard, make_target
-from .engine.policy import FixedK
-from .engine.round import Round, decode
-from .engine.tree import TreeShape
+from .core import policy
+from .core.loop import Round, decode
+from .core.measure import calibrate
+from .core.policy import FixedK
+from .core.sharded import guard, make_target
+from .core.tree import TreeShape
 from .errors import PromptError
 from .options import GenerationOptions
 from .options import signature as options_signature
@@ -75,7 +75,9 @@ class GenerationStats:
     tokens_per_second: float  # generated_tokens / total_time
     plain_step_time: float  # measured seconds of one plain target step
     seed: int
-    cached_tokens: int = 0  # prompt ids restored from the prompt cache (engine/prefix.py)
+    cached_tokens: int = (
+        0  # prompt ids restored from the prompt cache (core/caches/prompt_cache.py)
+    )
 
     @property
     def speedup(self) -> float | None:

@@ -12,7 +12,7 @@ import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from .engine.sampling import SamplingOptions
+from .core.sampling import SamplingOptions
 from .errors import OptionError
 
 

@@ -15,13 +15,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .core import caches
+from .core.caches import PromptCache
+from .core.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from .core.loop import Timing
+from .core.measure import calibrate
+from .core.policy import Costs
 from .cpu import kernels
-from .engine import caches
-from .engine.calibrate import calibrate
-from .engine.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
-from .engine.policy import Costs
-from .engine.prefix import PromptCache
-from .engine.round import Timing
 from .errors import MacspecError, ModelError, OptionError
 from .models.compat import check_tokenizers
 from .models.store import resolve_model
@@ -51,7 +51,7 @@ class Pair:
     cache_kinds: dict[str, int] = field(default_factory=dict)
     kernels: bool = True  # CPU layer kernels on the target and the draft (load(kernels=...))
     draft_cache_kinds: dict[str, int] = field(default_factory=dict)
-    # States kept between generations (engine/prefix.py); None: every prompt is read whole.
+    # States kept between generations (core/caches/); None: every prompt is read whole.
     prompt_cache: PromptCache | None = None
 
     def describe(self) -> str:
@@ -107,7 +107,7 @@ PROMPT_CACHE_ENV = "MACSPEC_PROMPT_CACHE_MB"  # MiB of kept states (default 1024
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
-FEATURE_DRAFTS = {"eagle": "macspec.engine.eagle"}
+FEATURE_DRAFTS = {"eagle": "macspec.core.drafters.eagle"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
 DRAFTERS = {
     "model": "the draft model only",
@@ -125,7 +125,7 @@ def _load_model(
     if not list(path.glob("model*.safetensors")):
         raise ModelError(f"{path} has no weights (model*.safetensors)")
     if group is not None:  # only this rank's part of the weights (tensor or pipeline parallel)
-        from .engine.distributed import load_sharded
+        from .core.sharded import load_sharded
 
         return load_sharded(path, group)
     try:

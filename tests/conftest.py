@@ -4,7 +4,7 @@ import os
 import pytest
 from tinymodels import make_tiny_model
 
-# Every load measures its own costs: long-context costs kept on disk (engine/calibrate.py) would
+# Every load measures its own costs: long-context costs kept on disk (core/measure.py) would
 # stand in for the ones a test sets, and fill the user's cache with tiny models' entries.
 os.environ["MACSPEC_KEEP_COSTS"] = "0"
 

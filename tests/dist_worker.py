@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 import macspec
-from macspec.engine import distributed
+from macspec.core import sharded as distributed
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ import numpy as np
 from scipy.stats import chi2
 
 import macspec
-from macspec.engine.sampling import SamplingOptions, distribution, penalty_windows
+from macspec.core.sampling import SamplingOptions, distribution, penalty_windows
 
 
 def exact_joint(pair: macspec.Pair, prompt: list[int], depth: int, **opts) -> dict[tuple, float]:

@@ -10,7 +10,7 @@ import archzoo
 import pytest
 
 import macspec
-from macspec.engine import caches
+from macspec.core.caches import recurrent
 from macspec.errors import ModelError
 
 PROMPT = archzoo.make_prompt()  # 36 ids, longer than every window (8)
@@ -133,6 +133,6 @@ def test_load_says_which_cache_kinds_a_model_has(zoo_dirs):
 def test_a_wrong_recurrent_rewind_is_caught_at_load(zoo_dirs, monkeypatch):
     """The load-time probe compares a rewound state with fresh computation: a rewind that
     kept the drafts' state (the old silent bug) is refused, not run."""
-    monkeypatch.setattr(caches._Segment, "state_at", lambda self, slot, m: self.assigned[slot])
+    monkeypatch.setattr(recurrent._Segment, "state_at", lambda self, slot, m: self.assigned[slot])
     with pytest.raises(ModelError, match="would not be exact on this model"):
         macspec.load(zoo_dirs("qwen3_next")["target"], drafter="ngram")

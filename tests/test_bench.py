@@ -8,7 +8,7 @@ import pytest
 from tinymodels import make_tiny_model
 
 from macspec.cli import main
-from macspec.engine.policy import COPY_FACTOR
+from macspec.core.policy import COPY_FACTOR
 from macspec.errors import OptionError, PromptError
 from macspec.tools import bench as bm
 from macspec.tools.bench_report import RunRecord, format_table, summarise, write_charts

@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models import llama, qwen2
 from tinymodels import chunk_logits, llama_like
 
+from macspec.core import caches, tree
 from macspec.cpu import blocks, kernels, native
-from macspec.engine import caches, tree
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")

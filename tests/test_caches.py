@@ -1,4 +1,4 @@
-"""Caches that rewind exactly (macspec/caches.py), checked without any model first."""
+"""Caches that rewind exactly (macspec/core/caches/), checked without any model first."""
 
 import random
 
@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from macspec.engine import caches
+from macspec.core import caches
 from macspec.errors import CacheError
 
 

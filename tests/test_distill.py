@@ -12,7 +12,13 @@ from tinymodels import make_tiny_model
 
 import macspec
 from macspec.cli import main
-from macspec.engine.eagle import EagleDraft, TargetParts, draft_config, read_draft, save_draft
+from macspec.core.drafters.eagle import (
+    EagleDraft,
+    TargetParts,
+    draft_config,
+    read_draft,
+    save_draft,
+)
 from macspec.errors import MacspecError, ModelError, OptionError, PromptError
 from macspec.models.compat import check
 from macspec.models.store import _acceptance
@@ -259,7 +265,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
     the real positions up to the anchor and to its own earlier drafted positions only."""
     from mlx_lm.models.cache import KVCache
 
-    from macspec.engine.round import hidden_states
+    from macspec.core.loop import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
     mx.random.seed(3)
@@ -282,7 +288,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
 def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
     """With taps, each shard row holds the target's own layer outputs at every position (left
     padding is exact there too), and Dataset joins them before the final features."""
-    from macspec.engine.round import hidden_states
+    from macspec.core.loop import hidden_states
 
     pair = macspec.load(run[0])
     taps = feature_taps(len(pair.target.model.layers))
@@ -319,7 +325,7 @@ def test_a_partial_data_cycle_covers_prompts_of_every_length():
 
 def test_widened_draft_predicts_what_it_did(tmp_path):
     """widen_draft: a final-features draft given tapped layers starts out exactly as it was."""
-    from macspec.engine.round import hidden_states
+    from macspec.core.loop import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=3)).target
     mx.random.seed(5)

@@ -24,8 +24,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.engine.round as engine
-from macspec.engine import distributed
+import macspec.core.loop as engine
+from macspec.core import sharded as distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"

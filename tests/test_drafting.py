@@ -9,10 +9,10 @@ from test_exactness import DEPTH, PROMPT, N, resample_from_p
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.engine.round as engine
-from macspec.engine.calibrate import calibrate
-from macspec.engine.drafters import COPY_PRIORS, NgramDrafter, match_label
-from macspec.engine.policy import COPY_FACTOR, AdaptiveK, Costs
+import macspec.core.loop as engine
+from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
+from macspec.core.measure import calibrate
+from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_the_long_measurement_is_kept_for_the_next_load(
 ):
     import json
 
-    from macspec.engine import calibrate as cal
+    from macspec.core import calibrate as cal
 
     monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
     monkeypatch.setenv(cal.KEEP_ENV, "1")
@@ -392,7 +392,7 @@ def test_policy_prices_k_with_the_measured_passes():
 
 
 def test_a_launched_pass_makes_drafts_pay_for_their_own_pass():
-    """After a plain step that launched the next pass (engine/round.py), that pass yields a
+    """After a plain step that launched the next pass (core/loop.py), that pass yields a
     token by itself: speculating adds only the drafts' pass, which must pay at plain speed."""
     costs = Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE)
     policy = _policy_at(0.5, costs)

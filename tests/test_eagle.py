@@ -11,8 +11,14 @@ from exactness import chi_square, exact_joint, sample_prefixes
 from tinymodels import make_tiny_model
 
 import macspec
-from macspec.engine.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config, save_draft
-from macspec.engine.round import hidden_states
+from macspec.core.drafters.eagle import (
+    EagleDraft,
+    EagleDrafter,
+    TargetParts,
+    draft_config,
+    save_draft,
+)
+from macspec.core.loop import hidden_states
 from macspec.errors import ModelError
 from macspec.models.compat import check
 

@@ -4,9 +4,9 @@ import mlx.core as mx
 import pytest
 
 import macspec
-from macspec.engine.drafters import ModelDrafter
-from macspec.engine.round import Target, Timing, decode
-from macspec.engine.sampling import SamplingOptions
+from macspec.core.drafters import ModelDrafter
+from macspec.core.loop import Target, Timing, decode
+from macspec.core.sampling import SamplingOptions
 
 PROMPTS = ["Once upon", "The cat sat on the", "42 is", [1, 20, 30, 40, 50, 60]]
 
@@ -174,7 +174,7 @@ def test_sample_follows_the_probabilities_and_never_picks_a_zero():
     probability 0 (leading, inner and trailing) never come out, and one-hot rows are exact."""
     from scipy.stats import chisquare
 
-    from macspec.engine.sampling import sample
+    from macspec.core.sampling import sample
 
     weights = mx.array([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0]])  # sums to 10: unnormalised
     keys = mx.random.split(mx.random.key(7), 4000)
@@ -199,7 +199,7 @@ def test_distribution_over_a_drafter_vocabulary_equals_the_full_one(options):
     """make_dist with `columns` (a drafter's own ids) gives the full-vocabulary distribution
     restricted to those ids, the repetition penalty included (windows hold ids the drafter
     lacks, which must not shift anything)."""
-    from macspec.engine.round import make_dist
+    from macspec.core.loop import make_dist
 
     vocab, ids = 12, [1, 2, 4, 7, 8, 11]
     logits_small = mx.array([[2.0, -1.0, 0.5, 3.0, 1.5, -0.2], [0.1, 2.5, -0.7, 0.3, 1.9, 2.4]])

@@ -5,8 +5,8 @@ import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
-import macspec.engine.round as engine
-from macspec.engine.sampling import sample
+import macspec.core.loop as engine
+from macspec.core.sampling import sample
 
 PROMPT = [3, 4, 5, 3]
 DEPTH = (

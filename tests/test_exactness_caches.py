@@ -7,7 +7,8 @@ import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
-from macspec.engine import caches
+from macspec.core import caches
+from macspec.core.caches import recurrent
 
 PROMPT = [3, 4, 5, 6, 3, 4, 7, 8]  # longer than the window (4): positions past it wrap
 DEPTH = 4  # a plain step, then rounds of K=2
@@ -56,7 +57,7 @@ def _window_without_spare_slots(monkeypatch):
 
 def _recurrent_state_not_restored(monkeypatch):
     """The state after all drafts is kept, rejected ones included (a no-op trim)."""
-    monkeypatch.setattr(caches._Segment, "state_at", lambda self, slot, m: self.assigned[slot])
+    monkeypatch.setattr(recurrent._Segment, "state_at", lambda self, slot, m: self.assigned[slot])
 
 
 BROKEN = {"gemma3_text": _window_without_spare_slots, "qwen3_next": _recurrent_state_not_restored}

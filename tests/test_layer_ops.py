@@ -226,7 +226,7 @@ def test_switched_off_they_run_mlx_ops(spy):
 
 
 def test_a_tree_pass_runs_the_primitives_with_positions_and_mask(spy):
-    from macspec.engine import caches, tree
+    from macspec.core import caches, tree
 
     model = llama_like(llama)
     kernels.accelerate(model)

@@ -1,4 +1,4 @@
-"""Plain steps one pass ahead (engine/round.py): a plain step starts the pass over its id before
+"""Plain steps one pass ahead (core/loop.py): a plain step starts the pass over its id before
 reading it (Target.launch), and the next round, plain or speculative, uses that pass as its
 first row. The tokens are those of one step at a time, the caches end holding exactly the
 context, and the statistical tests fail on a launched pass whose logits are stale."""
@@ -11,9 +11,9 @@ from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api
-from macspec.engine import caches
-from macspec.engine.round import Target, Timing, decode
-from macspec.engine.sampling import SamplingOptions
+from macspec.core import caches
+from macspec.core.loop import Target, Timing, decode
+from macspec.core.sampling import SamplingOptions
 from macspec.errors import CacheError
 
 
@@ -139,7 +139,7 @@ def test_a_launched_pass_must_have_fed_the_id_read(pair):
 
 def test_a_sharded_target_is_fed_ids_it_can_send():
     """Rank 0 sends each pass's ids to the other ranks as a list: nothing is launched ahead."""
-    from macspec.engine.distributed import LeaderTarget
+    from macspec.core.sharded import LeaderTarget
 
     assert Target.takes_lazy_ids and not LeaderTarget.takes_lazy_ids
 

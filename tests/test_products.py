@@ -211,7 +211,7 @@ def test_thread_pool_restarts_and_runs_without_hanging():
 def test_eagle_head_rows_use_native_products_only_with_the_kernels(monkeypatch):
     """The EAGLE draft's head (the target's rows for its vocabulary) goes through the extension
     when the pair runs the CPU kernels, through mlx's product otherwise, with the same logits."""
-    from macspec.engine.eagle import TargetParts
+    from macspec.core.drafters.eagle import TargetParts
 
     model = _model()
     ids = mx.array([3, 7, 9, 40, 2], dtype=mx.int32)

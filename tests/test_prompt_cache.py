@@ -1,4 +1,4 @@
-"""The prompt cache (engine/prefix.py): a generation that starts from kept states gives exactly
+"""The prompt cache (core/caches/): a generation that starts from kept states gives exactly
 the tokens a fresh prefill gives, on full-attention, sliding-window and hybrid recurrent models
 and with every drafter kind; it falls back where a cache kind cannot go back; entries never
 share buffers with a generation that writes into its caches."""
@@ -9,7 +9,7 @@ from test_eagle import make_draft
 from tinymodels import make_tiny_model
 
 import macspec
-from macspec.engine.prefix import PromptCache
+from macspec.core.caches import PromptCache
 
 GREEDY = {"max_tokens": 24, "temperature": 0.0, "num_draft": 3, "adaptive": False}
 ARCHS = {"llama": "full", "gemma3_text": "sliding", "qwen3_5": "hybrid"}

@@ -1,4 +1,4 @@
-"""Token trees (macspec/engine/tree.py): one pass scores every node as its path alone would be
+"""Token trees (macspec/core/tree.py): one pass scores every node as its path alone would be
 scored, the caches keep exactly the accepted path, and tree speculation is exact."""
 
 import archzoo
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import macspec
-from macspec.engine import caches, tree
-from macspec.engine.tree import Tree
+from macspec.core import caches, tree
+from macspec.core.tree import Tree
 from macspec.errors import CacheError
 
 PROMPT = [5, 17, 30, 8, 44, 12, 9]
@@ -73,8 +73,8 @@ def generate_with(pair, policy, monkeypatch, prompt, **options):
 
 @pytest.mark.parametrize("shape", [(3, 2, 6), (4, 3, 10), (2, 1, 2)])
 def test_greedy_tree_speculation_equals_target_only(pair, monkeypatch, shape):
-    from macspec.engine.policy import FixedTree
-    from macspec.engine.tree import TreeShape
+    from macspec.core.policy import FixedTree
+    from macspec.core.tree import TreeShape
 
     policy = FixedTree(TreeShape(*shape))
     rejected = accepted = 0
@@ -101,8 +101,8 @@ def eagle_dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("which", ["eagle", "eagle+ngram", "eagle, two layers"])
 def test_greedy_tree_speculation_with_an_eagle_draft(eagle_dirs, monkeypatch, which):
-    from macspec.engine.policy import FixedTree
-    from macspec.engine.tree import TreeShape
+    from macspec.core.policy import FixedTree
+    from macspec.core.tree import TreeShape
 
     target, tapped, deep = eagle_dirs
     draft = deep if which == "eagle, two layers" else tapped
@@ -130,8 +130,8 @@ def tree_counts(pair, monkeypatch, options, n=1000):
     from exactness import sample_prefixes
 
     from macspec import api
-    from macspec.engine.policy import FixedTree
-    from macspec.engine.tree import TreeShape
+    from macspec.core.policy import FixedTree
+    from macspec.core.tree import TreeShape
 
     policy = FixedTree(TreeShape(depth=2, width=2, max_nodes=4))
     monkeypatch.setattr(api, "FixedK", lambda k: policy)
@@ -175,7 +175,7 @@ def test_the_test_detects_a_broken_multi_candidate_rule(small_pair, monkeypatch)
 def test_tree_nodes_option_fixed_and_adaptive(pair, monkeypatch):
     """tree_nodes=N drafts trees of depth K (fixed), or lets the policy weigh them against
     chains (adaptive: with cheap wide passes, as on a GPU, it drafts trees)."""
-    from macspec.engine.policy import AdaptiveTree, Costs
+    from macspec.core.policy import AdaptiveTree, Costs
 
     flat = Costs(plain_step=1.0, draft_step=0.01, extra=0.0, verify=((1, 1.0), (16, 1.05)))
     monkeypatch.setattr(pair, "costs", flat)

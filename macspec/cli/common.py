@@ -31,7 +31,7 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 def load_pair(args: argparse.Namespace) -> Pair:
     """The pair the flags name; under mlx.launch, ranks > 0 serve rank 0 and exit in here."""
-    from ..engine.distributed import init_group, serve_if_follower
+    from ..core.sharded import init_group, serve_if_follower
     from ..pair import load
 
     target, draft = args.target, args.draft

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.caches import describe_kinds
+from ..core.caches import describe_kinds
 from ..errors import CompatError, ModelError
 from .store import resolve_model
 
@@ -341,7 +341,7 @@ def _check_caches(report: CompatReport, side: str, path: Path) -> None:
         return
     from mlx_lm.utils import load_model
 
-    from ..engine import caches
+    from ..core import caches
 
     try:
         model, _ = load_model(path, lazy=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.policy import COPY_FACTOR
+from ..core.policy import COPY_FACTOR
 from ..errors import OptionError
 from ..pair import load
 from .bench_report import BASELINE

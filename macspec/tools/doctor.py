@@ -216,10 +216,10 @@ def verify_costs(
     import macspec
 
     from .. import backend as be
+    from ..core import caches
+    from ..core.loop import hidden_states, output_head
+    from ..core.sampling import SamplingOptions, distribution, sample
     from ..cpu import kernels
-    from ..engine import caches
-    from ..engine.round import hidden_states, output_head
-    from ..engine.sampling import SamplingOptions, distribution, sample
 
     pair = macspec.load(model)
     target = pair.target

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..api import stream_generate
-from ..engine.prefix import PromptCache
+from ..core.caches import PromptCache
 from .prompts import builtin_prompts
 
 

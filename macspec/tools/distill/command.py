@@ -12,7 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...engine.eagle import TargetParts, draft_config, load_draft, save_draft
+from ...core.drafters.eagle import TargetParts, draft_config, load_draft, save_draft
 from ...errors import OptionError, PromptError
 from ...models.store import _looks_like_path, store_root, validate_name
 from ...pair import load

@@ -68,7 +68,7 @@ class DistillConfig:
         if self.kind != "eagle":
             raise OptionError(
                 f"unknown kind {self.kind!r}: only 'eagle' is implemented (a from-scratch 'small' "
-                "draft reached 0.35 agreement on this budget, see macspec/engine/eagle.py)"
+                "draft reached 0.35 agreement on this budget, see macspec/core/drafters/eagle.py)"
             )
         for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
             check_count(name, getattr(self, name), 1)

@@ -17,7 +17,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ...engine.eagle import EagleDraft, read_draft_for
+from ...core.drafters.eagle import EagleDraft, read_draft_for
 from ...errors import ModelError
 from ...models.store import resolve_model
 from .data import Dataset, choose_vocab, save_atomic

@@ -27,11 +27,12 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..errors import CacheError, ModelError
-from ..cpu import kernels, products
-from . import caches, tree
-from .drafters import DistFn, DraftState, Proposal
-from .sampling import sample
+from ...cpu import kernels, products
+from ...errors import CacheError, ModelError
+from .. import caches, tree
+from ..caches import DraftState
+from ..sampling import sample
+from .base import DistFn, Proposal
 
 WEIGHTS = "model.safetensors"  # the store lists a draft dir like a model: config.json + weights
 META = "draft.json"
@@ -151,7 +152,7 @@ class TargetParts:
     for the draft's vocabulary, in float32 (the fast type on CPUs; MLX casts on GPUs too)."""
 
     def __init__(self, target: nn.Module, vocab_ids: mx.array, native: bool = False):
-        from .round import output_head
+        from ..loop import output_head
 
         self.target = target
         self.vocab_ids = vocab_ids  # (Vd,) target ids the draft can propose

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import OptionError
 from ..cpu.kernels import softmax
+from ..errors import OptionError
 
 
 @dataclass(frozen=True)

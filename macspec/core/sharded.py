@@ -32,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MacspecError, ModelError
-from .round import Round, Target
+from .loop import Round, Target
 
 # Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
 # loading, before it reports a dead or hung rank. MACSPEC_DIST_TIMEOUT overrides the first.

@@ -19,12 +19,12 @@ import mlx.core as mx
 
 from ..backend import cache_home
 from ..cpu import blocks, kernels
-from .distributed import guard, make_target
+from .caches import PromptCache
 from .drafters import Drafter, HybridDrafter, Proposal
+from .loop import Round, decode
 from .policy import Costs
-from .prefix import PromptCache
-from .round import Round, decode
 from .sampling import SamplingOptions
+from .sharded import guard, make_target
 
 
 def measure(
@@ -185,7 +185,7 @@ def _kept_path(pair: Any, k: int, length: int) -> Path | None:
     setup = [
         # This measurement's code and the costs' meaning: changed, measured again.
         hashlib.sha256(
-            (here / "calibrate.py").read_bytes() + (here / "policy.py").read_bytes()
+            (here / "measure.py").read_bytes() + (here / "policy.py").read_bytes()
         ).hexdigest(),
         str(pair.target_path),
         _stamp(pair.target_path),

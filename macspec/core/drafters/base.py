@@ -13,8 +13,9 @@ from typing import Any, Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import caches, tree
-from .sampling import sample
+from .. import caches, tree
+from ..caches import DraftState
+from ..sampling import sample
 
 # probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
 # distribution (engine.make_dist; `columns` when the logits cover only some ids).
@@ -25,23 +26,6 @@ DistFn = Callable[..., mx.array]
 class Proposal:
     tokens: mx.array  # (k,) int32 proposed ids
     probs: mx.array | None  # (k, V) distributions they were drawn from; None = point masses
-
-
-@dataclass
-class DraftState:
-    """What a drafter keeps of its context, for the prompt cache (engine/prefix.py): its model
-    cache (None: nothing kept, the state is rebuilt from the ids), the context positions it
-    can resume at most (past its cache: `extra`), and how many ids past a position its state
-    reads (EAGLE pairs each position with the next id). A draft model `catches_up` by reading
-    the ids after its state itself; EAGLE reads the target's features, so it resumes where the
-    target does."""
-
-    kind: str
-    cache: list | None
-    length: int
-    lookahead: int = 0
-    extra: Any = None
-    catches_up: bool = False  # it reads the ids itself: may resume behind the target
 
 
 class Drafter(Protocol):

@@ -5,7 +5,7 @@ An entry holds the ids a generation ended with, a detached copy of the target's 
 the drafter's state (`DraftState`: a draft model's cache, or the EAGLE draft's cache and its
 pending target features; an n-gram index is rebuilt from the ids). A new prompt restores the
 entry that lets it skip the most ids: the longest common prefix of ids that every layer can go
-back to exactly (caches.py's rewinds):
+back to exactly (rewind.py):
 
 - full attention: any length;
 - sliding window: only the last `max_step` tokens or so (the ring's spare slots; a prompt cache
@@ -35,16 +35,32 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import CacheList
 
-from ..errors import CacheError
-from .caches import _TRIMMABLE, _layers, length
-from .drafters import DraftState
+from ...errors import CacheError
 from .recurrent import RecurrentCache
+from .rewind import TRIMMABLE, layers, length
 from .window import WindowKVCache
 
 MIN_STEP = 32  # sliding-window rings keep this many spare positions while a prompt cache is on
 DEFAULT_BYTES = 1 << 30
 MAX_ENTRIES = 16
 _EMPTY = (1, 0)  # a range no length is in
+
+
+@dataclass
+class DraftState:
+    """What a drafter keeps of its context, for the prompt cache: its model
+    cache (None: nothing kept, the state is rebuilt from the ids), the context positions it
+    can resume at most (past its cache: `extra`), and how many ids past a position its state
+    reads (EAGLE pairs each position with the next id). A draft model `catches_up` by reading
+    the ids after its state itself; EAGLE reads the target's features, so it resumes where the
+    target does."""
+
+    kind: str
+    cache: list | None
+    length: int
+    lookahead: int = 0
+    extra: Any = None
+    catches_up: bool = False  # it reads the ids itself: may resume behind the target
 
 
 # ---------------------------------------------------------------- one model's cache
@@ -58,7 +74,7 @@ def _span(c: Any, max_step: int) -> tuple[int, int]:
         return (0 if c.lost == 0 else c.lost + c.window - 1), c.offset
     if isinstance(c, RecurrentCache):
         return c.offset, c.offset  # no state kept between checkpoints
-    if isinstance(c, _TRIMMABLE):
+    if isinstance(c, TRIMMABLE):
         return 0, c.offset
     return _EMPTY
 
@@ -66,7 +82,7 @@ def _span(c: Any, max_step: int) -> tuple[int, int]:
 def span(cache: list, max_step: int) -> tuple[int, int]:
     """The lengths every layer of `cache` can go back to: one interval (lo > hi: none)."""
     lo, hi = 0, length(cache)
-    for _, c in _layers(cache):
+    for _, c in layers(cache):
         a, b = _span(c, max_step)
         lo, hi = max(lo, a), min(hi, b)
     return lo, hi
@@ -112,7 +128,7 @@ def _leaves(tree: Any) -> list:
 
 def _arrays(cache: list) -> list:
     out = []
-    for _, c in _layers(cache):
+    for _, c in layers(cache):
         if isinstance(c, RecurrentCache):
             out += [a for a in c.cache if a is not None]
         elif c.keys is not None:
@@ -266,7 +282,7 @@ class PromptCache:
     def wants_checkpoint(self, cache: list) -> bool:
         """True when later prompts may need this prefill's end kept apart from the generation's
         end: some layer cannot go back to any length."""
-        return any(not isinstance(c, _TRIMMABLE) for _, c in _layers(cache))
+        return any(not isinstance(c, TRIMMABLE) for _, c in layers(cache))
 
 
 def _kind(drafter: Any) -> str | None | bool:
@@ -286,7 +302,7 @@ def _restore_draft(state: DraftState, n: int) -> DraftState:
 
 
 def _spare(cache: list) -> int:
-    windows = [c for _, c in _layers(cache) if isinstance(c, WindowKVCache)]
+    windows = [c for _, c in layers(cache) if isinstance(c, WindowKVCache)]
     return min((c.capacity - c.window + 1 for c in windows), default=1 << 30)
 
 

@@ -17,12 +17,12 @@ from time import perf_counter
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import CacheError
 from ..cpu import kernels
+from ..errors import CacheError
 from . import caches
+from .caches import PromptCache
 from .drafters import DistFn, Drafter, prefill
 from .policy import FixedK, Policy
-from .prefix import PromptCache
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 from .tree import TreeShape, fit, tree_round
 

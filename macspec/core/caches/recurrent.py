@@ -1,4 +1,4 @@
-"""Recurrent-layer caches that rewind exactly (see caches.py): a rewindable forward keeps the
+"""Recurrent-layer caches that rewind exactly (see rewind.py): a rewindable forward keeps the
 states before it and what its recurrence read; rewinding into it replays the recurrence alone."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ..errors import CacheError
+from ...errors import CacheError
 from .rewindable import Rewindable
 
 

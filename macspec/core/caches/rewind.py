@@ -37,18 +37,18 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ..errors import CacheError, ModelError
-from .recurrent import RecurrentCache, _active, _hook, _Segment  # noqa: F401 (tests patch it)
+from ...errors import CacheError, ModelError
+from .recurrent import RecurrentCache, _active, _hook
 from .window import WindowKVCache
 
 # Cache classes that are exact when trimmed by offset (appended keys, nothing evicted).
-_TRIMMABLE = (KVCache, ConcatenateKVCache, QuantizedKVCache)
+TRIMMABLE = (KVCache, ConcatenateKVCache, QuantizedKVCache)
 
 
 # ---------------------------------------------------------------- whole-model caches
 
 
-def _layers(cache: list) -> Iterator[tuple[int, Any]]:
+def layers(cache: list) -> Iterator[tuple[int, Any]]:
     """(layer index, cache) over every cache, nested CacheLists included."""
     for i, c in enumerate(cache):
         if isinstance(c, CacheList):
@@ -74,7 +74,7 @@ def make_cache(model: nn.Module, max_step: int = 1) -> list:
     """The model's cache with every layer exactly rewindable by up to `max_step` tokens (the
     widest forward a round may take back)."""
     cache = [_convert(c, max_step) for c in make_prompt_cache(model)]
-    if any(isinstance(c, RecurrentCache) for _, c in _layers(cache)):
+    if any(isinstance(c, RecurrentCache) for _, c in layers(cache)):
         _hook(model)
     return cache
 
@@ -87,13 +87,13 @@ def kinds(model: nn.Module) -> dict[str, int]:
     """How many layers of each cache kind the model has: attention (full), window (sliding),
     recurrent, or the class name of a cache speculation cannot rewind."""
     out: dict[str, int] = {}
-    for _, c in _layers(make_prompt_cache(model)):
+    for _, c in layers(make_prompt_cache(model)):
         if type(c) is RotatingKVCache and not c.keep:
             kind = "window"
         elif type(c) is ArraysCache:
             kind = "recurrent"
         else:
-            kind = "attention" if isinstance(c, _TRIMMABLE) else type(c).__name__
+            kind = "attention" if isinstance(c, TRIMMABLE) else type(c).__name__
         out[kind] = out.get(kind, 0) + 1
     return out
 
@@ -121,16 +121,16 @@ def check(model: nn.Module, vocab_size: int) -> dict[str, int]:
 
 def length(cache: list) -> int:
     """The number of tokens the cache holds; every layer must agree."""
-    lengths = {c.offset for _, c in _layers(cache)}
+    lengths = {c.offset for _, c in layers(cache)}
     if len(lengths) != 1:
-        detail = ", ".join(f"layer {i} ({type(c).__name__}): {c.offset}" for i, c in _layers(cache))
+        detail = ", ".join(f"layer {i} ({type(c).__name__}): {c.offset}" for i, c in layers(cache))
         raise CacheError(f"the layers' caches hold different lengths: {detail}")
     return lengths.pop()
 
 
 def rewind(cache: list, length_: int) -> None:
     """Bring every layer back to exactly `length_` tokens, or raise CacheError."""
-    for i, c in _layers(cache):
+    for i, c in layers(cache):
         if c.offset < length_:
             raise CacheError(f"layer {i} holds {c.offset} tokens, fewer than {length_}")
         if isinstance(c, (WindowKVCache, RecurrentCache)):
@@ -138,7 +138,7 @@ def rewind(cache: list, length_: int) -> None:
                 c.rewind_to(length_)
             except CacheError as e:
                 raise CacheError(f"layer {i}: {e}") from None
-        elif isinstance(c, _TRIMMABLE):
+        elif isinstance(c, TRIMMABLE):
             c.trim(c.offset - length_)
         else:
             raise CacheError(f"layer {i}'s {type(c).__name__} cannot be rewound")
@@ -152,7 +152,7 @@ def rewind(cache: list, length_: int) -> None:
 def forward(cache: list, n: int, rewindable: bool = False) -> Iterator[None]:
     """Around a model call feeding n tokens. Recurrent layers count them and, when the forward
     may be taken back, keep what rewinding into it needs (until the next rewind)."""
-    for _, c in _layers(cache):
+    for _, c in layers(cache):
         if isinstance(c, RecurrentCache):
             c.begin(n, rewindable)
     try:
@@ -164,7 +164,7 @@ def forward(cache: list, n: int, rewindable: bool = False) -> Iterator[None]:
 def state_arrays(cache: list) -> list:
     """The arrays a cache holds, for mx.eval."""
     out = []
-    for _, c in _layers(cache):
+    for _, c in layers(cache):
         state = c.cache if isinstance(c, ArraysCache) else c.state
         out += [a for a in state if isinstance(a, mx.array)]
     return out

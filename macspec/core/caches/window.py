@@ -1,4 +1,4 @@
-"""Sliding-window attention caches that rewind exactly (see caches.py)."""
+"""Sliding-window attention caches that rewind exactly (see rewind.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from ..errors import CacheError
+from ...errors import CacheError
 from .rewindable import Rewindable
 
 

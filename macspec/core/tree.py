@@ -122,7 +122,7 @@ def tree_pass(
     """Run the model's next forward as a tree pass: its rows attend as `mask` says (see
     `attend`), row r rotated at position base + depths[r] (depths non-decreasing). Full-attention
     caches only (CacheError otherwise): a window or a recurrent state holds one branch."""
-    layers = list(caches._layers(cache))
+    layers = list(caches.layers(cache))
     for i, c in layers:
         if type(c) is not KVCache:
             raise CacheError(
@@ -156,7 +156,7 @@ def compact(cache: list, start: int, rows: list[int]) -> None:
     """Keep, of the rows a tree pass appended at `start`, these (in order) at start, start + 1..
     and drop the rest."""
     index = mx.array([start + r for r in rows])
-    for _, c in caches._layers(cache):
+    for _, c in caches.layers(cache):
         if type(c) is not KVCache:
             raise CacheError(f"a {type(c).__name__} cannot keep a tree's path")
         k, v = mx.take(c.keys, index, axis=2), mx.take(c.values, index, axis=2)

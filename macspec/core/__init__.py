@@ -1,0 +1,1 @@
+"""The backend-neutral speculative core."""
