@@ -15,6 +15,7 @@ from .api import (  # noqa: E402
 )
 from .backend import BlasWarning  # noqa: E402
 from .core.sampling import SamplingOptions  # noqa: E402
+from .cpu import install as _install_cpu  # noqa: E402
 from .errors import (  # noqa: E402
     CacheError,
     CompatError,
@@ -27,6 +28,9 @@ from .errors import (  # noqa: E402
 )
 from .options import GenerationOptions  # noqa: E402
 from .pair import Pair, load  # noqa: E402
+
+# The CPU package's kernels in the core (core/hooks.py): plain mlx where it does not apply.
+_install_cpu()
 
 __version__ = "0.1.0"
 

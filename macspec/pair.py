@@ -15,13 +15,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .core import caches
+from .core import caches, hooks
 from .core.caches import PromptCache
 from .core.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .core.loop import Timing
 from .core.measure import calibrate
 from .core.policy import Costs
-from .cpu import kernels
 from .errors import MacspecError, ModelError, OptionError
 from .models.compat import check_tokenizers
 from .models.store import resolve_model
@@ -136,7 +135,7 @@ def _load_model(
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
     if use_kernels:
-        kernels.accelerate(model)  # CPU backend: table RoPE, attention, SwiGLU (kernels.py)
+        hooks.accelerate_model(model)  # the CPU package's layers, where it is installed
     return model, tokenizer, config
 
 

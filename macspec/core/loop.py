@@ -17,9 +17,8 @@ from time import perf_counter
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..cpu import kernels
 from ..errors import CacheError
-from . import caches
+from . import caches, hooks
 from .caches import PromptCache
 from .drafters import DistFn, Drafter, prefill
 from .policy import FixedK, Policy
@@ -277,10 +276,10 @@ def speculative_round(
         proposal = drafter.propose(k, dist, draft_key)
         # The drafts compute while Python builds the verification graph (~3 ms a pass), which
         # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
-        # Built whole (kernels.serial): evaluated while built, the pass would count as drafting.
+        # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
         mx.async_eval(proposal.tokens)
         k = proposal.tokens.size
-        with kernels.serial():
+        with hooks.serial():
             logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
         p = dist(logits, proposal.tokens, 0)
         q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])

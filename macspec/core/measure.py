@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..backend import cache_home
-from ..cpu import blocks, kernels
+from . import hooks
 from .caches import PromptCache
 from .drafters import Drafter, HybridDrafter, Proposal
 from .loop import Round, decode
@@ -199,8 +199,7 @@ def _kept_path(pair: Any, k: int, length: int) -> Path | None:
         platform.node(),
         platform.machine(),
         os.cpu_count(),
-        kernels.native_layers() is not None,
-        blocks.enabled(),
+        hooks.setup(),
     ]
     key = hashlib.sha256(json.dumps(setup, default=str).encode()).hexdigest()[:16]
     return cache_home() / "costs" / f"{key}.json"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cpu.kernels import softmax
 from ..errors import OptionError
+from . import hooks
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def distribution(
         return (mx.arange(vocab)[None] == best).astype(mx.float32)
 
     # Each filter sees the renormalised survivors of the one before (as llama.cpp's sampler chain).
-    probs = softmax(logits / opts.temperature)  # kernels.py: 4x faster on CPU backends
+    probs = hooks.softmax(logits / opts.temperature)
     if 0 < opts.top_k < vocab:
         kth = mx.min(mx.topk(probs, opts.top_k, axis=-1), axis=-1, keepdims=True)
         probs = _renormalise(mx.where(probs >= kth, probs, 0.0))

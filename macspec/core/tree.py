@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError
-from . import caches
+from . import caches, hooks
 from .sampling import sample
 
 
@@ -131,25 +131,20 @@ def tree_pass(
     groups = depth_groups(depths, base)
     positions = mx.array([base + d for d in depths], dtype=mx.int32)
     attentions = [m for _, m in model.named_modules() if callable(getattr(m, "rope", None))]
-    saved = [(m.rope, getattr(m, "_macspec_rope", None)) for m in attentions]
-    for m, (rope, table) in zip(attentions, saved, strict=True):
-        m.rope = _TreeRoPE(rope, groups)
-        if hasattr(m, "_macspec_rope"):  # kernels.py's table RoPE: rotates consecutive rows
-            m._macspec_rope = None
-            # its native path: rows rotated by position, up to the deepest's
-            m._macspec_tree = (table, positions, base + max(depths) + 1)
-    for _, c in layers:
-        c.make_mask = lambda *args, **kwargs: mask
-    try:
-        yield
-    finally:
-        for m, (rope, table) in zip(attentions, saved, strict=True):
-            m.rope = rope
-            if hasattr(m, "_macspec_tree"):
-                m._macspec_rope = table
-                del m._macspec_tree
+    ropes = [m.rope for m in attentions]
+    # An accelerator that rotates rows without the module's `rope` is told their positions.
+    with hooks.tree_positions(attentions, positions, base + max(depths) + 1):
+        for m, rope in zip(attentions, ropes, strict=True):
+            m.rope = _TreeRoPE(rope, groups)
         for _, c in layers:
-            del c.make_mask
+            c.make_mask = lambda *args, **kwargs: mask
+        try:
+            yield
+        finally:
+            for m, rope in zip(attentions, ropes, strict=True):
+                m.rope = rope
+            for _, c in layers:
+                del c.make_mask
 
 
 def compact(cache: list, start: int, rows: list[int]) -> None:

@@ -27,9 +27,8 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...cpu import kernels, products
 from ...errors import CacheError, ModelError
-from .. import caches, tree
+from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from .base import DistFn, Proposal
@@ -162,7 +161,7 @@ class TargetParts:
         rows = output_head(target, mx.eye(h, dtype=mx.float32))  # (H, V)
         # (Vd, H) row-contiguous: the layout of a linear layer's weight, for the native products
         self.head = mx.contiguous(mx.take(rows.astype(mx.float32), vocab_ids, axis=1).T)
-        self.native = native  # its product runs macspec's CPU products (with the CPU kernels)
+        self.native = native  # its product runs the accelerator's (hooks.matmul_t)
         # Target id -> column of the draft's logits, len(vocab_ids) for ids it lacks (for the
         # repetition penalty's windows, see engine.make_dist).
         table = np.full(rows.shape[1], vocab_ids.size, np.int32)
@@ -175,7 +174,7 @@ class TargetParts:
 
     def logits(self, features: mx.array) -> mx.array:
         if self.native:
-            return products.matmul_t(features, self.head)
+            return hooks.matmul_t(features, self.head)
         return features @ self.head.T
 
 
@@ -424,8 +423,7 @@ def load_draft(path: Path, pair: Any) -> Callable[[bool], EagleDrafter]:
     generation, sharing the weights and the target's embedding and head."""
     draft, vocab_ids, meta = read_draft_for(path, pair.target)
     if pair.kernels:
-        kernels.accelerate_layers(draft.blocks)  # the same CPU kernels as the target's layers
-        kernels.switch_products(draft)  # its input projections too
+        hooks.accelerate_layers(draft, draft.blocks)  # as the target's layers, and its products
     vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
     parts = TargetParts(pair.target, vocab_ids, native=pair.kernels)
 

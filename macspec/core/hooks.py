@@ -1,0 +1,102 @@
+"""What a backend's accelerator may replace in the core: a small, named interface whose defaults
+are plain mlx, so that the core runs the same on Metal, CUDA and a CPU with nothing installed.
+
+The CPU package (macspec/cpu) installs its own functions here on the CPU backend; nothing else
+in the core knows it exists. Every hook computes what its default computes (to float rounding:
+the CPU's softmax uses its own exp); which one runs is the only difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def _softmax(x: mx.array) -> mx.array:
+    return mx.softmax(x, axis=-1)
+
+
+def _matmul_t(x: mx.array, w: mx.array) -> mx.array:
+    return x @ w.T
+
+
+@contextmanager
+def _no_positions(modules: list[nn.Module], positions: mx.array, end: int) -> Iterator[None]:
+    yield
+
+
+def _unchanged(*args: Any) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The replaceable parts, each with its plain-mlx default.
+
+    - softmax(x): softmax over the last axis of float32 rows (the sampling distribution's);
+    - matmul_t(x, w): x @ w.T for a float32 matrix held outside any layer (the EAGLE head's rows);
+    - serial(): a context in which each forward pass is built whole before it is evaluated (a
+      round times the drafts apart from the verification graph's build);
+    - tree_positions(modules, positions, end): a context in which these attention modules rotate
+      row r at positions[r] (a token tree's pass; `end`: past the deepest), for an accelerator
+      that rotates rows itself instead of calling the module's `rope`;
+    - accelerate_model(model): switch a loaded model's layers to faster ones; how many changed;
+    - accelerate_layers(module, layers): the same for a drafter's own decoder layers (and the
+      products of `module`);
+    - setup(): what of the accelerator is active, as plain data (measured costs depend on it)."""
+
+    name: str = "mlx"
+    softmax: Callable[[mx.array], mx.array] = _softmax
+    matmul_t: Callable[[mx.array, mx.array], mx.array] = _matmul_t
+    serial: Callable[[], AbstractContextManager] = nullcontext
+    tree_positions: Callable[[list, mx.array, int], AbstractContextManager] = _no_positions
+    accelerate_model: Callable[[nn.Module], int] = _unchanged
+    accelerate_layers: Callable[[nn.Module, list], int] = _unchanged
+    setup: Callable[[], dict] = field(default=dict)
+
+
+_installed = Hooks()
+
+
+def install(hooks: Hooks) -> Hooks:
+    """Make `hooks` the core's; returns the ones they replace."""
+    global _installed
+    old, _installed = _installed, hooks
+    return old
+
+
+def installed() -> Hooks:
+    return _installed
+
+
+def softmax(x: mx.array) -> mx.array:
+    return _installed.softmax(x)
+
+
+def matmul_t(x: mx.array, w: mx.array) -> mx.array:
+    return _installed.matmul_t(x, w)
+
+
+def serial() -> AbstractContextManager:
+    return _installed.serial()
+
+
+def tree_positions(modules: list, positions: mx.array, end: int) -> AbstractContextManager:
+    return _installed.tree_positions(modules, positions, end)
+
+
+def accelerate_model(model: nn.Module) -> int:
+    return _installed.accelerate_model(model)
+
+
+def accelerate_layers(module: nn.Module, layers: list) -> int:
+    return _installed.accelerate_layers(module, layers)
+
+
+def setup() -> dict:
+    return _installed.setup()
