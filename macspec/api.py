@@ -14,11 +14,11 @@ import mlx.core as mx
 from . import chat_template
 from .core import policy
 from .core.loop import Round, decode
-from .core.measure import calibrate
 from .core.policy import FixedK
 from .core.sharded import guard, make_target
 from .core.tree import TreeShape
 from .errors import PromptError
+from .kept_costs import calibrate
 from .options import GenerationOptions
 from .options import signature as options_signature
 from .pair import Pair

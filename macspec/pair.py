@@ -19,9 +19,9 @@ from .core import caches, hooks
 from .core.caches import PromptCache
 from .core.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .core.loop import Timing
-from .core.measure import calibrate
 from .core.policy import Costs
 from .errors import MacspecError, ModelError, OptionError
+from .kept_costs import calibrate
 from .models.compat import check_tokenizers
 from .models.store import resolve_model
 
@@ -106,7 +106,7 @@ PROMPT_CACHE_ENV = "MACSPEC_PROMPT_CACHE_MB"  # MiB of kept states (default 1024
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
-FEATURE_DRAFTS = {"eagle": "macspec.core.drafters.eagle"}
+FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
 DRAFTERS = {
     "model": "the draft model only",

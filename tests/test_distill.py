@@ -12,15 +12,10 @@ from tinymodels import make_tiny_model
 
 import macspec
 from macspec.cli import main
-from macspec.core.drafters.eagle import (
-    EagleDraft,
-    TargetParts,
-    draft_config,
-    read_draft,
-    save_draft,
-)
+from macspec.core.drafters.eagle import EagleDraft, TargetParts, draft_config
 from macspec.errors import MacspecError, ModelError, OptionError, PromptError
 from macspec.models.compat import check
+from macspec.models.draft_files import read_draft, save_draft
 from macspec.models.store import _acceptance
 from macspec.tools import distill as d
 from macspec.tools.distill.data import (

@@ -11,8 +11,8 @@ from tinymodels import make_tiny_model
 import macspec
 import macspec.core.loop as engine
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
-from macspec.core.measure import calibrate
 from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
+from macspec.kept_costs import calibrate
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_the_long_measurement_is_kept_for_the_next_load(
 ):
     import json
 
-    from macspec.core import calibrate as cal
+    from macspec import kept_costs as cal
 
     monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
     monkeypatch.setenv(cal.KEEP_ENV, "1")

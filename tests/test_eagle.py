@@ -11,16 +11,11 @@ from exactness import chi_square, exact_joint, sample_prefixes
 from tinymodels import make_tiny_model
 
 import macspec
-from macspec.core.drafters.eagle import (
-    EagleDraft,
-    EagleDrafter,
-    TargetParts,
-    draft_config,
-    save_draft,
-)
+from macspec.core.drafters.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config
 from macspec.core.loop import hidden_states
 from macspec.errors import ModelError
 from macspec.models.compat import check
+from macspec.models.draft_files import save_draft
 
 
 def make_draft(path, target_dir, *, seed=1, vocab_ids=None, noise=0.3, feature_layers=(), layers=1):

@@ -4,23 +4,17 @@ and after a long one (the policy prices each round at its context between the tw
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from itertools import islice
-from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-from ..backend import cache_home
-from . import hooks
 from .caches import PromptCache
 from .drafters import Drafter, HybridDrafter, Proposal
+from .loaded import LoadedPair
 from .loop import Round, decode
 from .policy import Costs
 from .sampling import SamplingOptions
@@ -28,7 +22,7 @@ from .sharded import guard, make_target
 
 
 def measure(
-    pair: Any, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16), length: int = 32
+    pair: LoadedPair, k: int = 4, widths: tuple[int, ...] = (1, 2, 4, 8, 16), length: int = 32
 ) -> Costs:
     """Measure, on this machine, what a plain step, a draft token and wider verifications cost
     after a prompt of `length` ids: a short decode alternating plain steps and passes verifying
@@ -145,102 +139,32 @@ class _Filler:
         pass
 
 
-def calibrate(pair: Any, k: int = 4, long: int = 512) -> Costs:
+class Kept(Protocol):
+    """Costs measured after a long context by an earlier load, kept somewhere (kept_costs.py)."""
+
+    def read(self, length: int, short: Costs) -> Costs | None:
+        """The kept costs after `length` tokens, if still good for a load whose short-context
+        costs are `short`."""
+
+    def keep(self, length: int, costs: Costs, short: Costs) -> None:
+        """Keep `costs`, measured after `length` tokens, with the short ones of the same load."""
+
+
+def calibrate(pair: LoadedPair, k: int = 4, long: int = 512, kept: Kept | None = None) -> Costs:
     """The costs after a short prompt, with the same measured after `long` tokens (capped by
     the pair's context) for the policy to price rounds at the current context (Costs.at).
 
-    The long measurement is mostly its prompt's prefill (seconds on a CPU), so it is kept on
-    disk for this machine, pair and setup (KEEP_ENV) and measured again after KEEP_DAYS."""
+    The long measurement is mostly its prompt's prefill (seconds on a CPU): `kept` may hold it
+    from an earlier load."""
     short = measure(pair, k)
     room = min(pair.context_length, 1 << 20) - 256  # the measuring decode's own tokens
     # A sharded target keeps no prompt states, so each run would prefill the long prompt again.
     if min(long, room) < 4 * short.position or pair.group is not None:
         return short
     length = min(long, room)
-    path = _kept_path(pair, k, length)
-    far = _read_kept(path, short)
+    far = kept.read(length, short) if kept is not None else None
     if far is None:
         far = measure(pair, k, length=length)
-        _keep(path, far, short)
+        if kept is not None:
+            kept.keep(length, far, short)
     return replace(short, later=far)
-
-
-KEEP_ENV = "MACSPEC_KEEP_COSTS"  # 0: measure the long context at every load
-KEEP_DAYS = 7
-KEEP_SPREAD = 0.25  # how far this load's plain step may be from the kept one's
-
-
-def _stamp(path: Any) -> list:
-    """What identifies a model directory's weights: their names, sizes and times."""
-    if path is None:
-        return []
-    files = sorted(Path(path).glob("*.safetensors"))
-    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-
-
-def _kept_path(pair: Any, k: int, length: int) -> Path | None:
-    if os.environ.get(KEEP_ENV, "1") == "0":
-        return None
-    here = Path(__file__).parent
-    setup = [
-        # This measurement's code and the costs' meaning: changed, measured again.
-        hashlib.sha256(
-            (here / "measure.py").read_bytes() + (here / "policy.py").read_bytes()
-        ).hexdigest(),
-        str(pair.target_path),
-        _stamp(pair.target_path),
-        str(pair.draft_path),
-        _stamp(pair.draft_path),
-        pair.drafter_kind,
-        k,
-        length,
-        str(mx.default_device()),
-        mx.__version__,
-        platform.node(),
-        platform.machine(),
-        os.cpu_count(),
-        hooks.setup(),
-    ]
-    key = hashlib.sha256(json.dumps(setup, default=str).encode()).hexdigest()[:16]
-    return cache_home() / "costs" / f"{key}.json"
-
-
-def _read_kept(path: Path | None, short: Costs) -> Costs | None:
-    """The kept costs, or None: none kept, unreadable, older than KEEP_DAYS, or kept while a
-    plain step cost other than now (by KEEP_SPREAD: the machine was busier, or idler)."""
-    if path is None:
-        return None
-    try:
-        kept = json.loads(path.read_text())
-        if time.time() - kept["measured"] > KEEP_DAYS * 86400:
-            return None
-        if abs(kept["short_plain_step"] / short.plain_step - 1.0) > KEEP_SPREAD:
-            return None
-        c = kept["costs"]
-        verify = tuple((int(n), float(t)) for n, t in c["verify"])
-        fields = ("plain_step", "draft_step", "extra")
-        return Costs(
-            **{f: float(c[f]) for f in fields},
-            verify=verify,
-            position=c["position"],
-            measured=kept["measured"],
-        )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _keep(path: Path | None, costs: Costs, short: Costs) -> None:
-    if path is None:
-        return
-    data = {
-        "measured": costs.measured,
-        "costs": asdict(replace(costs, later=None)),
-        "short_plain_step": short.plain_step,  # the state of the machine it was measured in
-    }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)  # whole or not at all
-    except OSError:
-        pass  # a read-only cache: measured again next time

@@ -30,8 +30,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..errors import MacspecError, ModelError
+from .drafters import Drafter
+from .loaded import LoadedPair
 from .loop import Round, Target
 
 # Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
@@ -51,7 +54,7 @@ class DistributedError(MacspecError):
     """A rank died, hung or disagrees; or the model cannot be sharded over the group."""
 
 
-def init_group() -> Any | None:
+def init_group() -> mx.distributed.Group | None:
     """The group when this process was started by mlx.launch (or mpirun), else None.
 
     The backend follows from what the launcher set: ring (MLX_HOSTFILE), JACCL (MLX_IBV_DEVICES),
@@ -74,12 +77,12 @@ def init_group() -> Any | None:
     return group if group.size() > 1 else None
 
 
-def rank(pair: Any) -> int:
+def rank(pair: LoadedPair) -> int:
     group = getattr(pair, "group", None)
     return group.rank() if group is not None else 0
 
 
-def is_leader(pair: Any) -> bool:
+def is_leader(pair: LoadedPair) -> bool:
     """True on rank 0 (and without a group): the rank that generates, prints and streams."""
     return rank(pair) == 0
 
@@ -140,7 +143,7 @@ class Watchdog:
 class Link:
     """Rank 0's messages to the other ranks, with timing and failure detection."""
 
-    def __init__(self, group: Any, timeout: float | None = None):
+    def __init__(self, group: mx.distributed.Group, timeout: float | None = None):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
         env = os.environ.get("MACSPEC_DIST_TIMEOUT")
@@ -215,11 +218,11 @@ class Link:
 _LINKS: dict[int, Link] = {}
 
 
-def link_of(pair: Any) -> Link:
+def link_of(pair: LoadedPair) -> Link:
     return _LINKS[id(pair.group)]
 
 
-def time_communication(pair: Any, on: bool = True) -> None:
+def time_communication(pair: LoadedPair, on: bool = True) -> None:
     """Make RoundEvent.comm_time include the model's all-reduces, not only rank 0's messages
     (costs one sync per layer: for benchmarks). No-op without a group."""
     if getattr(pair, "group", None) is not None:
@@ -229,7 +232,9 @@ def time_communication(pair: Any, on: bool = True) -> None:
 # ---------------------------------------------------------------- loading
 
 
-def load_sharded(path: Path, group: Any) -> tuple[nn.Module, Any, dict]:
+def load_sharded(
+    path: Path, group: mx.distributed.Group
+) -> tuple[nn.Module, TokenizerWrapper, dict]:
     """Load this rank's part of the target: tensor parallel where the model supports it, else
     pipeline stages. Returns (model, tokenizer, config) like mlx-lm's load."""
     from mlx_lm.utils import load_model, load_tokenizer
@@ -346,7 +351,7 @@ def timed_all_sum(link: Link) -> Iterator[None]:
         mx.distributed.all_sum = orig
 
 
-def leader_target(pair: Any, keep_hidden: bool, taps: tuple[int, ...] = ()) -> LeaderTarget:
+def leader_target(pair: LoadedPair, keep_hidden: bool, taps: tuple[int, ...] = ()) -> LeaderTarget:
     if not is_leader(pair):
         raise DistributedError(
             f"rank {rank(pair)} does not generate: rank 0 does; call "
@@ -355,7 +360,7 @@ def leader_target(pair: Any, keep_hidden: bool, taps: tuple[int, ...] = ()) -> L
     return LeaderTarget(link_of(pair), pair.target, pair.vocab_size, keep_hidden, taps)
 
 
-def make_target(pair: Any, drafter: Any) -> Target:
+def make_target(pair: LoadedPair, drafter: Drafter | None) -> Target:
     """The target a generation runs: local, or rank 0's lead of a sharded one."""
     keep_hidden = getattr(drafter, "needs_hidden", False)
     taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
@@ -364,7 +369,7 @@ def make_target(pair: Any, drafter: Any) -> Target:
     return leader_target(pair, keep_hidden, taps)
 
 
-def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
+def guard(pair: LoadedPair, steps: Iterator[Round]) -> Iterator[Round]:
     """The rounds as they come for a local pair. Sharded: rank 0's rounds, each bounded by the
     watchdog, with its communication time filled in."""
     if pair.group is None:
@@ -372,7 +377,7 @@ def guard(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
     return _guarded(pair, steps)
 
 
-def _guarded(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
+def _guarded(pair: LoadedPair, steps: Iterator[Round]) -> Iterator[Round]:
     link = link_of(pair)
     try:
         while True:
@@ -400,7 +405,7 @@ def _guarded(pair: Any, steps: Iterator[Round]) -> Iterator[Round]:
         steps.close()
 
 
-def serve(pair: Any) -> None:
+def serve(pair: LoadedPair) -> None:
     """Ranks > 0: run this rank's shard of the target for rank 0 until it quits."""
     link = link_of(pair)
     target: Target | None = None
@@ -426,7 +431,7 @@ def serve(pair: Any) -> None:
             ) from e
 
 
-def serve_if_follower(pair: Any) -> None:
+def serve_if_follower(pair: LoadedPair) -> None:
     """For commands: ranks > 0 serve rank 0 and then end the process; rank 0 returns."""
     if not is_leader(pair):
         serve(pair)

@@ -12,8 +12,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...core.drafters.eagle import TargetParts, draft_config, load_draft, save_draft
+from ...core.drafters.eagle import TargetParts, draft_config
 from ...errors import OptionError, PromptError
+from ...models.draft_files import load_draft, save_draft
 from ...models.store import _looks_like_path, store_root, validate_name
 from ...pair import load
 from .config import DistillConfig, add_arguments
