@@ -12,11 +12,18 @@ from typing import Any
 import mlx.core as mx
 
 from . import chat_template
-from .core import policy
-from .core.loop import Round, decode
-from .core.policy import FixedK
-from .core.sharded import guard, make_target
-from .core.tree import TreeShape
+from .core import (
+    AdaptiveK,
+    AdaptiveTree,
+    FixedK,
+    FixedTree,
+    Round,
+    TreeShape,
+    adaptive,
+    generate_rounds,
+    guard,
+    make_target,
+)
 from .errors import PromptError
 from .kept_costs import calibrate
 from .options import GenerationOptions
@@ -308,7 +315,7 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         pair.costs = calibrate(pair)
     if drafter is not None and opts.tree_nodes:
         pair.check_trees()
-    steps = decode(
+    steps = generate_rounds(
         make_target(pair, drafter),
         drafter,
         ids,
@@ -325,13 +332,13 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
 
 
-def _policy(opts: GenerationOptions, pair: Pair) -> policy.AdaptiveK | policy.AdaptiveTree:
-    return policy.adaptive(opts.num_draft, pair.costs, opts.tree_nodes)
+def _policy(opts: GenerationOptions, pair: Pair) -> AdaptiveK | AdaptiveTree:
+    return adaptive(opts.num_draft, pair.costs, opts.tree_nodes)
 
 
-def _fixed(opts: GenerationOptions) -> policy.FixedK | policy.FixedTree:
+def _fixed(opts: GenerationOptions) -> FixedK | FixedTree:
     if opts.tree_nodes:
-        return policy.FixedTree(TreeShape(opts.num_draft, 2, opts.tree_nodes))
+        return FixedTree(TreeShape(opts.num_draft, 2, opts.tree_nodes))
     return FixedK(opts.num_draft)
 
 

@@ -15,11 +15,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .core import caches, hooks
-from .core.caches import PromptCache
-from .core.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
-from .core.loop import Timing
-from .core.policy import Costs
+from .core import (
+    Costs,
+    Drafter,
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    PromptCache,
+    Timing,
+    caches,
+    drafter_class,
+    hooks,
+)
 from .errors import MacspecError, ModelError, OptionError
 from .kept_costs import calibrate
 from .models.compat import check_tokenizers
@@ -42,7 +49,7 @@ class Pair:
     timing: Timing = field(default_factory=Timing)
     costs: Costs | None = None  # measured at load (distributed, measure=False: at first use)
     calibration_time: float = 0.0  # seconds load() spent measuring them
-    group: mx.distributed.Group | None = None  # the target is sharded over it (distributed.py)
+    group: mx.distributed.Group | None = None  # the target is sharded over it (core/sharded.py)
     # Makes a fresh drafter for one generation; its argument says whether K is adaptive.
     drafter_factory: Callable[[bool], Drafter] | None = None
     # Layers per cache kind (caches.kinds: attention, window, recurrent), checked at load to
@@ -108,10 +115,7 @@ DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
 FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
-DRAFTERS = {
-    "model": "the draft model only",
-    "ngram": "copy from the prompt and output, no draft model",
-}
+DRAFTERS = {name: drafter_class(name).summary for name in ("model", "ngram")}
 
 
 def _load_model(
@@ -124,7 +128,7 @@ def _load_model(
     if not list(path.glob("model*.safetensors")):
         raise ModelError(f"{path} has no weights (model*.safetensors)")
     if group is not None:  # only this rank's part of the weights (tensor or pipeline parallel)
-        from .core.sharded import load_sharded
+        from .core import load_sharded
 
         return load_sharded(path, group)
     try:
@@ -191,7 +195,7 @@ def load(
     # Decided before rank > 0 drops the draft: every rank checks the sharded target alike.
     speculates = drafter == "ngram" or draft is not None
     if group is not None and group.rank() > 0:
-        draft = None  # the draft runs on rank 0 only (macspec/distributed.py says why)
+        draft = None  # the draft runs on rank 0 only (core/sharded.py says why)
     model, tokenizer, config = _load_model(target_path, group, kernels)
     rows = _embedding_rows(model)
     pair = Pair(

@@ -260,7 +260,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
     the real positions up to the anchor and to its own earlier drafted positions only."""
     from mlx_lm.models.cache import KVCache
 
-    from macspec.core.loop import hidden_states
+    from macspec.core.target import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
     mx.random.seed(3)
@@ -283,7 +283,7 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
 def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):
     """With taps, each shard row holds the target's own layer outputs at every position (left
     padding is exact there too), and Dataset joins them before the final features."""
-    from macspec.core.loop import hidden_states
+    from macspec.core.target import hidden_states
 
     pair = macspec.load(run[0])
     taps = feature_taps(len(pair.target.model.layers))
@@ -320,7 +320,7 @@ def test_a_partial_data_cycle_covers_prompts_of_every_length():
 
 def test_widened_draft_predicts_what_it_did(tmp_path):
     """widen_draft: a final-features draft given tapped layers starts out exactly as it was."""
-    from macspec.core.loop import hidden_states
+    from macspec.core.target import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=3)).target
     mx.random.seed(5)

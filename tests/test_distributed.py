@@ -24,7 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.core.loop as engine
+import macspec.core.verify as engine
 from macspec.core import sharded as distributed
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ from test_exactness import DEPTH, PROMPT, N, resample_from_p
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.core.loop as engine
+import macspec.core.target as engine
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
 from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
 from macspec.kept_costs import calibrate
@@ -491,3 +491,26 @@ def test_the_calibration_note_says_both_contexts(pair, monkeypatch):
     assert pair.calibration_note().endswith(
         time.strftime("after 544 tokens, kept from %Y-%m-%d %H:%M)", time.localtime(0))
     )
+
+
+def test_the_registry_maps_each_drafter_name_to_its_class():
+    from macspec.core import drafters
+    from macspec.pair import DRAFTERS
+
+    assert drafters.REGISTRY == {
+        "model": drafters.ModelDrafter,
+        "ngram": drafters.NgramDrafter,
+        "model+ngram": drafters.HybridDrafter,
+        "eagle": drafters.EagleDrafter,
+    }
+    assert drafters.drafter_class("ngram") is NgramDrafter
+    with pytest.raises(macspec.OptionError, match="no drafter 'mtp': one of eagle, model,"):
+        drafters.drafter_class("mtp")
+
+    class Impostor:
+        name = "ngram"
+
+    with pytest.raises(macspec.OptionError, match="taken by NgramDrafter"):
+        drafters.register(Impostor)
+    assert drafters.REGISTRY["ngram"] is NgramDrafter
+    assert DRAFTERS["ngram"] == NgramDrafter.summary  # load(drafter=...)'s choices

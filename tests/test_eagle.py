@@ -12,7 +12,7 @@ from tinymodels import make_tiny_model
 
 import macspec
 from macspec.core.drafters.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config
-from macspec.core.loop import hidden_states
+from macspec.core.target import hidden_states
 from macspec.errors import ModelError
 from macspec.models.compat import check
 from macspec.models.draft_files import save_draft

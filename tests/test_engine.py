@@ -5,8 +5,9 @@ import pytest
 
 import macspec
 from macspec.core.drafters import ModelDrafter
-from macspec.core.loop import Target, Timing, decode
+from macspec.core.loop import Timing, generate_rounds
 from macspec.core.sampling import SamplingOptions
+from macspec.core.target import Target
 
 PROMPTS = ["Once upon", "The cat sat on the", "42 is", [1, 20, 30, 40, 50, 60]]
 
@@ -42,7 +43,7 @@ def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
     drafter = ModelDrafter(pair.draft, pair.vocab_size)
     prompt = pair.tokenizer.encode("Rewind me")
     history = list(prompt)
-    rounds = decode(
+    rounds = generate_rounds(
         target,
         drafter,
         prompt,
@@ -199,7 +200,7 @@ def test_distribution_over_a_drafter_vocabulary_equals_the_full_one(options):
     """make_dist with `columns` (a drafter's own ids) gives the full-vocabulary distribution
     restricted to those ids, the repetition penalty included (windows hold ids the drafter
     lacks, which must not shift anything)."""
-    from macspec.core.loop import make_dist
+    from macspec.core.verify import make_dist
 
     vocab, ids = 12, [1, 2, 4, 7, 8, 11]
     logits_small = mx.array([[2.0, -1.0, 0.5, 3.0, 1.5, -0.2], [0.1, 2.5, -0.7, 0.3, 1.9, 2.4]])

@@ -5,7 +5,7 @@ import pytest
 from exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
-import macspec.core.loop as engine
+import macspec.core.verify as engine
 from macspec.core.sampling import sample
 
 PROMPT = [3, 4, 5, 3]

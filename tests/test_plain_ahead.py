@@ -12,14 +12,15 @@ from tinymodels import make_tiny_model
 import macspec
 from macspec import api
 from macspec.core import caches
-from macspec.core.loop import Target, Timing, decode
+from macspec.core.loop import Timing, generate_rounds
 from macspec.core.sampling import SamplingOptions
+from macspec.core.target import Target
 from macspec.errors import CacheError
 
 
 def plain_decode(pair, prompt, opts, *, max_tokens=20, eos=(), key=5):
     target = Target(pair.target, pair.vocab_size)
-    rounds = decode(
+    rounds = generate_rounds(
         target,
         None,
         prompt,

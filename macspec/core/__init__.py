@@ -1,1 +1,68 @@
-"""The backend-neutral speculative core."""
+"""The backend-neutral speculative core: it runs the same on Metal, CUDA and a CPU, imports only
+mlx, mlx-lm, numpy and the project's errors and switches, and reads no file and prints nothing.
+
+    loop.py       the generation loop: one Round per target pass (generate_rounds)
+    target.py     the target's passes, hidden states and rewinds
+    verify.py     the acceptance rule, a speculative round, a plain step
+    sampling.py   one distribution for draft and target
+    tree.py       token trees: drafted by level, verified in one pass, walked exactly
+    policy.py     fixed and adaptive K (and trees), priced by measured costs
+    measure.py    what a step, a draft token and a K-wide pass cost here
+    sharded.py    a target sharded over mlx.launch ranks
+    memory.py     Metal hygiene: wired memory while generating, the buffer cache emptied
+    hooks.py      what an accelerator may replace (plain mlx by default)
+    loaded.py     what the core needs of a loaded pair
+    drafters/     draft model, n-gram copy, both combined, the EAGLE feature draft; a registry
+    caches/       exact rewinds for every layer kind, and the prompt cache
+
+This module is the interface pair.py and api.py use.
+"""
+
+from . import caches, hooks, policy
+from .caches import PromptCache
+from .drafters import (
+    REGISTRY,
+    Drafter,
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    drafter_class,
+    register,
+)
+from .loaded import LoadedPair
+from .loop import Round, Timing, generate_rounds
+from .measure import calibrate
+from .policy import AdaptiveK, AdaptiveTree, Costs, FixedK, FixedTree, adaptive
+from .sampling import SamplingOptions
+from .sharded import guard, load_sharded, make_target
+from .tree import TreeShape
+
+__all__ = [
+    "REGISTRY",
+    "AdaptiveK",
+    "AdaptiveTree",
+    "Costs",
+    "Drafter",
+    "FixedK",
+    "FixedTree",
+    "HybridDrafter",
+    "LoadedPair",
+    "ModelDrafter",
+    "NgramDrafter",
+    "PromptCache",
+    "Round",
+    "SamplingOptions",
+    "Timing",
+    "TreeShape",
+    "adaptive",
+    "caches",
+    "calibrate",
+    "drafter_class",
+    "generate_rounds",
+    "guard",
+    "hooks",
+    "load_sharded",
+    "make_target",
+    "policy",
+    "register",
+]

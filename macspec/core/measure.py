@@ -15,7 +15,7 @@ import mlx.core as mx
 from .caches import PromptCache
 from .drafters import Drafter, HybridDrafter, Proposal
 from .loaded import LoadedPair
-from .loop import Round, decode
+from .loop import Round, generate_rounds
 from .policy import Costs
 from .sampling import SamplingOptions
 from .sharded import guard, make_target
@@ -28,51 +28,20 @@ def measure(
     after a prompt of `length` ids: a short decode alternating plain steps and passes verifying
     filler ids over each of `widths` drafts (3 of each, after one warm-up cycle), and (with a
     draft model) a short fixed-K speculative decode, all over arbitrary ids."""
-    # any ids: only the time is used
-    ids = [(7 * i) % pair.vocab_size for i in range(1, length + 1)]
-    context = min(pair.context_length, 1 << 20)
-    kept = PromptCache() if pair.group is None else None
-
-    def run(drafter: Drafter | None, ks: list[int]) -> list[Round]:
-        """The first (plain) step, then one round per entry of ks (0 = plain)."""
-        max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
-        steps = decode(
-            make_target(pair, drafter),
-            drafter,
-            ids[: max(2, min(len(ids), context - max_tokens - 1))],
-            SamplingOptions(),
-            max_tokens=max_tokens,
-            num_draft=k,
-            key=mx.random.key(0),
-            eos_ids=set(),
-            context_length=context,
-            timing=pair.timing,
-            policy=_Schedule(ks),
-            prompt_cache=kept,
-        )
-        return list(islice(guard(pair, steps), len(ks) + 1))
-
-    # The draft model's rounds first: they leave the prompt's states (its own included) in
-    # `kept`, so the other runs skip the prefill (after a long prompt, most of the time).
+    runs = _Runs(pair, [(7 * i) % pair.vocab_size for i in range(1, length + 1)], k)
     drafter = pair.make_drafter(False)
-    draft = 0.0
-    if pair.drafter_kind != "ngram":
-        # The model alone (a hybrid's copies would take over once the target repeats itself);
-        # the first rounds of a process run slower and are not counted.
-        model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
-        rounds = [r for r in run(model, [k] * 6)[3:] if r.num_draft]
-        draft = median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
+    draft = _draft_step(runs, drafter, k) if pair.drafter_kind != "ngram" else 0.0
     # Plain steps and every width interleaved, on the target as the real drafter runs it: load
     # changes during the measurement then hit all of them alike. The first cycle warms up (the
     # first passes of a process were measured 25% slower) and is not counted.
     cycle = [0, *widths]
-    rounds = run(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
+    rounds = runs(_Filler(drafter), cycle * 4)[1 + len(cycle) :]
     plain = median(r.verify_time for r in rounds if r.num_draft == 0)
-    # Plain decoding launches each step's pass before reading its id (engine/round.py): what
+    # Plain decoding launches each step's pass before reading its id (Target.launch): what
     # drafting must beat is a step of a run of them, not one between passes.
-    ahead = median(r.verify_time for r in run(_Filler(drafter), [0] * 6)[3:])
+    ahead = median(r.verify_time for r in runs(_Filler(drafter), [0] * 6)[3:])
     # A pass is priced whole: the filler's "draft time" is the verification graph's build,
-    # which only a draft model's computation hides (engine.speculative_round).
+    # which only a draft model's computation hides (verify.speculative_round).
     passes = tuple(
         (n, median(r.draft_time + r.verify_time for r in rounds if r.num_draft == n))
         for n in widths
@@ -85,9 +54,48 @@ def measure(
         draft_step=draft,
         extra=extra,
         verify=passes,
-        position=len(ids),
+        position=len(runs.ids),
         measured=time.time(),
     )
+
+
+class _Runs:
+    """Short decodes over `ids` (any ids: only the time is used), sharing one prompt cache: the
+    first one leaves the prompt's states (the drafter's included) for the others to skip the
+    prefill (after a long prompt, most of the time)."""
+
+    def __init__(self, pair: LoadedPair, ids: list[int], k: int) -> None:
+        self.pair, self.ids, self.k = pair, ids, k
+        self.context = min(pair.context_length, 1 << 20)
+        self.kept = PromptCache() if pair.group is None else None
+
+    def __call__(self, drafter: Drafter | None, ks: list[int]) -> list[Round]:
+        """The first (plain) step, then one round per entry of ks (0 = plain)."""
+        max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
+        steps = generate_rounds(
+            make_target(self.pair, drafter),
+            drafter,
+            self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))],
+            SamplingOptions(),
+            max_tokens=max_tokens,
+            num_draft=self.k,
+            key=mx.random.key(0),
+            eos_ids=set(),
+            context_length=self.context,
+            timing=self.pair.timing,
+            policy=_Schedule(ks),
+            prompt_cache=self.kept,
+        )
+        return list(islice(guard(self.pair, steps), len(ks) + 1))
+
+
+def _draft_step(runs: _Runs, drafter: Drafter, k: int) -> float:
+    """Seconds of one draft token of the draft model alone (a hybrid's copies would take over
+    once the target repeats itself), from fixed-K rounds after the first few (the first rounds
+    of a process run slower). Run first: it leaves the prompt's states for the other runs."""
+    model = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+    rounds = [r for r in runs(model, [k] * 6)[3:] if r.num_draft]
+    return median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
 
 
 class _Schedule:
@@ -111,6 +119,7 @@ class _Filler:
     """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
 
     name = "filler"
+    summary = "copies of id 0: the verification cost alone"
     state_kind = None  # nothing of its own to keep: a prompt cache restores the target alone
 
     def __init__(self, drafter: Drafter) -> None:

@@ -24,7 +24,7 @@ class Policy(Protocol):
 
     def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         """Drafts for the next round (0 = a plain step). `launched`: the pass over the round's
-        first row is already running (engine/round.py, Target.launch); `position`: the tokens
+        first row is already running (target.py, Target.launch); `position`: the tokens
         the target's cache holds (what every pass and draft token reads)."""
 
     def observe(self, k: int, accepted: int) -> None:
@@ -37,7 +37,7 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class Costs:
-    """Seconds measured once per loaded pair on this machine (see engine/calibrate.py).
+    """Seconds measured once per loaded pair on this machine (see measure.py).
 
     They are frozen so that K depends only on costs and on the seeded acceptance history: the
     same seed then gives the same tokens, which live timings would not."""

@@ -3,7 +3,7 @@
 Rank 0 leads: it runs the whole speculative loop (draft model, acceptance, sampling, stops, text)
 and, before each target operation, sends the other ranks one small message: the operation
 (start a sequence, forward these ids) and the cache length to rewind to first. Every rank then
-runs the same `engine.Target` code on its shard, so the collectives inside the model match one
+runs the same `target.Target` code on its shard, so the collectives inside the model match one
 for one, and the caches rewind to the same lengths. Every accept/reject decision and every
 sampled id is taken once, on rank 0: no rank can disagree, even where float all-reduce results
 differ in the last bit, and the random stream only exists on rank 0.
@@ -35,7 +35,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from ..errors import MacspecError, ModelError
 from .drafters import Drafter
 from .loaded import LoadedPair
-from .loop import Round, Target
+from .loop import Round
+from .target import Target
 
 # Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
 # loading, before it reports a dead or hung rank. MACSPEC_DIST_TIMEOUT overrides the first.

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +30,10 @@ from mlx_lm.models.cache import KVCache
 from ..errors import CacheError
 from . import caches, hooks
 from .sampling import sample
+from .target import Target
+
+if TYPE_CHECKING:  # (the drafters import this module)
+    from .drafters import DistFn, Drafter
 
 
 @dataclass
@@ -242,7 +246,7 @@ def prune(tree: Tree, n: int) -> Tree:
     )
 
 
-def row_distributions(dist: Any, logits: mx.array, tree: Tree) -> mx.array:
+def row_distributions(dist: DistFn, logits: mx.array, tree: Tree) -> mx.array:
     """The target's sampling distribution at the root and every node: each row follows its own
     path (the repetition penalty sees the path's ids, not the other branches')."""
     if not getattr(dist, "needs_history", True):
@@ -255,7 +259,7 @@ def row_distributions(dist: Any, logits: mx.array, tree: Tree) -> mx.array:
 
 
 def tree_round(
-    target: Any, drafter: Any, last: int, shape: TreeShape, dist: Any, key: mx.array
+    target: Target, drafter: Drafter, last: int, shape: TreeShape, dist: DistFn, key: mx.array
 ) -> tuple[Tree, list[int], int, float, float]:
     """Draft a tree, verify it in one target pass, walk it. Returns (tree, accepted nodes, the
     target's token, draft seconds, verify seconds). Both caches end holding exactly the

@@ -217,8 +217,8 @@ def verify_costs(
 
     from .. import backend as be
     from ..core import caches
-    from ..core.loop import hidden_states, output_head
     from ..core.sampling import SamplingOptions, distribution, sample
+    from ..core.target import hidden_states, output_head
     from ..cpu import kernels
 
     pair = macspec.load(model)

@@ -1,7 +1,7 @@
 """Model caches that rewind exactly (rewind.py; window.py and recurrent.py for the layers mlx-lm's
 own caches cannot take back), and the prompt cache that keeps them between prompts."""
 
-from .prompt_cache import DraftState, PromptCache
+from .prompt_cache import DraftState, Hit, PromptCache
 from .recurrent import RecurrentCache
 from .rewind import (
     EXACT_KINDS,
@@ -13,6 +13,7 @@ from .rewind import (
     layers,
     length,
     make_cache,
+    prefill,
     rewind,
     state_arrays,
     verify,
@@ -23,6 +24,7 @@ __all__ = [
     "EXACT_KINDS",
     "TRIMMABLE",
     "DraftState",
+    "Hit",
     "PromptCache",
     "RecurrentCache",
     "WindowKVCache",
@@ -33,6 +35,7 @@ __all__ = [
     "layers",
     "length",
     "make_cache",
+    "prefill",
     "rewind",
     "state_arrays",
     "verify",

@@ -38,6 +38,7 @@ from mlx_lm.models.cache import (
 )
 
 from ...errors import CacheError, ModelError
+from ..memory import clear_on_gpu
 from .recurrent import RecurrentCache, _active, _hook
 from .window import WindowKVCache
 
@@ -168,6 +169,16 @@ def state_arrays(cache: list) -> list:
         state = c.cache if isinstance(c, ArraysCache) else c.state
         out += [a for a in state if isinstance(a, mx.array)]
     return out
+
+
+def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = 512) -> None:
+    """Feed `tokens` into `cache` in chunks, so long prompts do not build one huge graph."""
+    for i in range(0, len(tokens), step):
+        chunk = tokens[i : i + step]
+        with forward(cache, len(chunk)):
+            model(mx.array(chunk)[None], cache=cache)
+        mx.eval(state_arrays(cache))
+        clear_on_gpu()
 
 
 def verify(model: nn.Module, ids: list[int]) -> None:

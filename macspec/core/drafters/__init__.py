@@ -1,27 +1,48 @@
-"""Drafters: what proposes tokens for the target to verify."""
+"""Drafters: what proposes tokens for the target to verify (base.py: the protocol they share).
 
-from .base import (
-    COPY_PRIORS,
-    MATCH_BUCKETS,
-    DistFn,
-    Drafter,
-    HybridDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    Proposal,
-    match_label,
-    prefill,
-)
+REGISTRY maps each drafter's name (its `name`, as a pair's drafter kind shows it) to its class,
+as llama.cpp's common/speculative.cpp maps its speculative types; `register` adds one."""
+
+from ...errors import OptionError
+from .base import DistFn, Drafter, Proposal
+from .eagle import EagleDrafter
+from .hybrid import HybridDrafter
+from .model import ModelDrafter
+from .ngram import COPY_PRIORS, MATCH_BUCKETS, NgramDrafter, match_label
+
+REGISTRY: dict[str, type] = {}
+
+
+def register(cls: type) -> type:
+    """Add a drafter class under its `name`; a name another class holds is refused."""
+    held = REGISTRY.setdefault(cls.name, cls)
+    if held is not cls:
+        raise OptionError(f"the drafter name {cls.name!r} is taken by {held.__name__}")
+    return cls
+
+
+def drafter_class(name: str) -> type:
+    """The class registered under `name`, or OptionError naming the known ones."""
+    if name not in REGISTRY:
+        raise OptionError(f"no drafter {name!r}: one of {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name]
+
+
+for _cls in (ModelDrafter, NgramDrafter, HybridDrafter, EagleDrafter):
+    register(_cls)
 
 __all__ = [
     "COPY_PRIORS",
     "MATCH_BUCKETS",
+    "REGISTRY",
     "DistFn",
     "Drafter",
+    "EagleDrafter",
     "HybridDrafter",
     "ModelDrafter",
     "NgramDrafter",
     "Proposal",
+    "drafter_class",
     "match_label",
-    "prefill",
+    "register",
 ]

@@ -150,7 +150,7 @@ class TargetParts:
     for the draft's vocabulary, in float32 (the fast type on CPUs; MLX casts on GPUs too)."""
 
     def __init__(self, target: nn.Module, vocab_ids: mx.array, native: bool = False):
-        from ..loop import output_head
+        from ..target import output_head
 
         self.target = target
         self.vocab_ids = vocab_ids  # (Vd,) target ids the draft can propose
@@ -162,7 +162,7 @@ class TargetParts:
         self.head = mx.contiguous(mx.take(rows.astype(mx.float32), vocab_ids, axis=1).T)
         self.native = native  # its product runs the accelerator's (hooks.matmul_t)
         # Target id -> column of the draft's logits, len(vocab_ids) for ids it lacks (for the
-        # repetition penalty's windows, see engine.make_dist).
+        # repetition penalty's windows, see verify.make_dist).
         table = np.full(rows.shape[1], vocab_ids.size, np.int32)
         table[np.array(vocab_ids)] = np.arange(vocab_ids.size, dtype=np.int32)
         self.lookup = mx.array(table)
@@ -178,7 +178,7 @@ class TargetParts:
 
 
 class EagleDrafter:
-    """Drafter protocol (macspec/drafters.py) over an EagleDraft.
+    """Drafter protocol (drafters/base.py) over an EagleDraft.
 
     The draft cache holds positions whose input pair used a real target feature; `pending` holds
     real (feature, next id) pairs not fed yet. A proposal feeds them, then drafts on its own
@@ -186,6 +186,7 @@ class EagleDrafter:
     features for the kept ids (EAGLE recomputes them the same way)."""
 
     name = "eagle"
+    summary = "a feature draft reading the target's hidden states (EAGLE)"
     needs_hidden = True
 
     def __init__(
@@ -280,7 +281,7 @@ class EagleDrafter:
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
         self._offset, self._proposed = self.cache[0].offset, True
         self._fed = len(self.pending_ids)
-        if not self.pending_ids:  # cannot happen after the engine's first plain step
+        if not self.pending_ids:  # cannot happen after the loop's first plain step
             raise ModelError("the eagle draft has no target feature to draft from")
         state = self.draft.state(mx.concatenate(self.pending_f)[None])
         embeds = self.parts.embed(mx.array(self.pending_ids, dtype=mx.int32))[None]

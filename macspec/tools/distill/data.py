@@ -108,7 +108,7 @@ def sample_rows(
     with `taps`, the outputs of those layers (B, L, len(taps), H) float16."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ...core.loop import output_head
+    from ...core.target import output_head
 
     rows, width = len(prompts), max(map(len, prompts))
     starts = np.array([width - len(p) for p in prompts], np.int32)

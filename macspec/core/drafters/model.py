@@ -1,0 +1,129 @@
+"""A draft model: a small autoregressive model with its own cache, drafting as chains or trees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .. import caches, tree
+from ..caches import DraftState
+from ..sampling import sample
+from .base import DistFn, Proposal
+
+
+class ModelDrafter:
+    """A small autoregressive model with its own cache.
+
+    The cache always holds the context except `pending`, the ids not yet fed: normally the
+    target's last token, or the last draft and the target's token after a full acceptance."""
+
+    name = "model"
+    summary = "the draft model only"
+    needs_hidden = False
+
+    def __init__(self, model: nn.Module, vocab_size: int, stop_below: float = 0.0):
+        self.model = model
+        self.vocab_size = vocab_size
+        # Adaptive length: stop drafting once the draft's own probability of its token (at
+        # temperature 1, so greedy drafts are judged too) falls below this. 0 = never stop.
+        self.stop_below = stop_below
+        self.cache: list = []
+        self.pending: list[int] = []
+        self._base = 0  # cache length before the current proposal
+
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
+        # A proposal feeds the pending ids (up to 2) and then its drafts one by one.
+        self.resume(None, prompt, 0, hidden, max_step)
+
+    state_kind = "model"
+
+    def snapshot(self) -> DraftState:
+        return DraftState(self.state_kind, self.cache, caches.length(self.cache), catches_up=True)
+
+    def resume(
+        self,
+        state: DraftState | None,
+        prompt: list[int],
+        n: int,
+        hidden: mx.array | None = None,
+        max_step: int = 1,
+    ) -> None:
+        if state is None:  # nothing kept: the whole prompt
+            self.cache, n = caches.make_cache(self.model, max_step + 1), 0
+        else:
+            self.cache = state.cache
+        caches.prefill(self.model, self.cache, prompt[n:-1])
+        self.pending = prompt[-1:]
+
+    def label(self) -> None:
+        return None
+
+    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+        # No host sync between draft steps: each token feeds the next lazily.
+        self._base = caches.length(self.cache)
+        tokens, probs = [], []
+        inputs = mx.array(self.pending, dtype=mx.int32)
+        for i, subkey in enumerate(mx.random.split(key, k)):
+            with caches.forward(self.cache, inputs.size, rewindable=True):
+                logits = self.model(inputs[None], cache=self.cache)[0, -1:, : self.vocab_size]
+            drafted = mx.concatenate(tokens) if tokens else None
+            q = dist(logits, drafted, i)
+            token = sample(q, subkey)
+            tokens.append(token)
+            probs.append(q)
+            inputs = token
+            if self.stop_below > 0 and i + 1 < k:
+                # The one host sync per draft token that adaptive length needs.
+                confidence = mx.softmax(logits[0], axis=-1)[token[0]]
+                if confidence.item() < self.stop_below:
+                    break
+        return Proposal(mx.concatenate(tokens), mx.concatenate(probs))
+
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
+        if k == 0:
+            self.pending += emitted
+            return
+        # The pending ids and d_1..d_{k-1} went in (d_k never did); keep the accepted ones.
+        kept = min(accepted, k - 1)
+        caches.rewind(self.cache, self._base + len(self.pending) + kept)
+        self.pending = emitted[kept:]
+
+    def abort(self, k: int) -> None:
+        # Back to the state before propose(); the pending ids stay pending.
+        caches.rewind(self.cache, self._base)
+
+    def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
+        """Candidates as a tree (tree.grow): the pending ids, then each level's kept nodes fed
+        in one tree pass; candidates are ranked by the draft's own probabilities."""
+        self._base = caches.length(self.cache)
+        n = len(self.pending)
+        with caches.forward(self.cache, n, rewindable=True):
+            logits = self.model(mx.array(self.pending)[None], cache=self.cache)[0, -1:]
+        self._fed: list[int] = []  # tree nodes in the order their entries follow the pending
+
+        def expand(t: tree.Tree, nodes: list[int]) -> mx.array:
+            mask = tree.attend(t, self._base + n, self._fed + nodes, nodes)
+            root = self._base + n - 1  # the position of the last pending id
+            depths = [t.depths[i] for i in nodes]
+            with tree.tree_pass(self.model, self.cache, mask, depths, root):
+                with caches.forward(self.cache, len(nodes), rewindable=True):
+                    ids = mx.array([t.tokens[i] for i in nodes])[None]
+                    out = self.model(ids, cache=self.cache)[0, :, : self.vocab_size]
+            self._fed += nodes
+            return mx.softmax(out, axis=-1)
+
+        return tree.grow(shape, expand, mx.softmax(logits[:, : self.vocab_size], axis=-1))
+
+    def commit_tree(
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+    ) -> None:
+        # Keep the pending ids and the accepted nodes the draft was fed (a prefix of the path).
+        fed = [t.origin[a] for a in accepted if t.origin[a] in self._fed]
+        n = len(self.pending)
+        rows = [*range(n), *(n + self._fed.index(a) for a in fed)]
+        tree.compact(self.cache, self._base, rows)
+        self.pending = emitted[len(fed) :]

@@ -1,0 +1,164 @@
+"""The target model's passes: the context it holds, logits for new ids (a pass may be launched
+ahead of its id), its hidden states for drafters that read them, and exact rewinds."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CacheError
+from . import caches
+from .memory import clear_on_gpu
+
+
+class Target:
+    """The target model and its cache; logits are cut to the ids both models share.
+
+    With `keep_hidden`, every forward pass also leaves the last hidden states of the positions
+    it read in `self.hidden` (for drafters that build on the target's features, as EAGLE does);
+    with `taps`, the outputs of those decoder layers come first, the final features last."""
+
+    # launch() can feed an id still being computed, so plain steps run one pass ahead.
+    takes_lazy_ids = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        keep_hidden: bool = False,
+        taps: tuple[int, ...] = (),
+        name: str = "the target",
+    ):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.cache: list = []
+        self.keep_hidden = keep_hidden
+        self.taps = tuple(taps)
+        self.name = name  # for errors
+        # (positions, (len(taps) + 1) * hidden_size) of the last forward pass
+        self.hidden: mx.array | None = None
+        # A pass launched ahead: (its logits, its hidden states, the id it fed).
+        self.ahead: tuple[mx.array, mx.array | None, mx.array] | None = None
+
+    def start(self, prompt: list[int], max_step: int = 1, cache: list | None = None) -> None:
+        """Prefill all but the prompt's last id; later passes of up to `max_step` ids can be
+        taken back (caches.make_cache). `cache`: one already holding the prompt's first ids
+        (the prompt cache's); only the rest is read, and `hidden` covers only them."""
+        self.cache = cache if cache is not None else caches.make_cache(self.model, max_step)
+        done = caches.length(self.cache) if cache is not None else 0
+        if self.keep_hidden:
+            body, chunks = prompt[done:-1], []
+            for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
+                ids = mx.array(body[i : i + 512])
+                with caches.forward(self.cache, ids.size):
+                    chunks.append(hidden_states(self.model, ids, self.cache, self.taps))
+                mx.eval(chunks[-1])
+                clear_on_gpu()
+            self.hidden = mx.concatenate(chunks) if chunks else None
+        else:
+            caches.prefill(self.model, self.cache, prompt[done:-1])
+
+    @property
+    def offset(self) -> int:
+        """Ids the context holds (an id launched ahead is not yet part of it)."""
+        try:
+            return caches.length(self.cache) - (self.ahead is not None)
+        except CacheError as e:
+            raise CacheError(f"{self.name}: {e}") from None
+
+    def launch(self, last: mx.array) -> None:
+        """Start the pass over `last` (one id, possibly still being computed) now: the next
+        logits() whose first id it is uses this pass for its first row (rows are computed
+        alone, so the logits are those of one pass). Taken back by trim_to()."""
+        kept, self.hidden = self.hidden, None
+        logits = self._pass(last, rewindable=True)
+        self.ahead, self.hidden = (logits, self.hidden, last), kept
+        mx.async_eval(logits)
+
+    def logits(self, tokens: mx.array, rewindable: bool = False) -> mx.array:
+        """Logits for `tokens` fed after the context; a `rewindable` pass can be taken back."""
+        if self.ahead is None:
+            return self._pass(tokens, rewindable)
+        head, hidden, fed = self.ahead
+        self.ahead = None
+        rest = self._pass(tokens[1:], rewindable) if tokens.size > 1 else None
+        # Read once the rest is built: the ids may be drafts still computing.
+        if fed.item() != tokens[0].item():
+            raise CacheError(
+                f"{self.name}: a pass launched ahead fed id {fed.item()}, not {tokens[0].item()}"
+            )
+        if rest is None:
+            self.hidden = hidden
+            return head
+        if self.keep_hidden:
+            self.hidden = mx.concatenate([hidden, self.hidden])
+        return mx.concatenate([head, rest])
+
+    def _pass(self, tokens: mx.array, rewindable: bool) -> mx.array:
+        with caches.forward(self.cache, tokens.size, rewindable):
+            if not self.keep_hidden:
+                return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
+            self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
+        final = self.hidden[:, -self.model.args.hidden_size :] if self.taps else self.hidden
+        return output_head(self.model, final)[:, : self.vocab_size]
+
+    def drop_launch(self) -> None:
+        """Take back a pass launched ahead, if any: the layers hold the context again."""
+        if self.ahead is not None:
+            self.trim_to(self.offset)
+
+    def trim_to(self, length: int) -> None:
+        """Every layer back to exactly `length` tokens (a pass launched ahead dropped), or
+        CacheError naming the model."""
+        self.ahead = None
+        try:
+            caches.rewind(self.cache, length)
+        except CacheError as e:
+            raise CacheError(f"{self.name}: {e}") from None
+
+
+def hidden_states(
+    model: nn.Module, tokens: mx.array, cache: list, taps: tuple[int, ...] = ()
+) -> mx.array:
+    """Final (normed) hidden states (n, hidden) of an mlx-lm decoder: `model.model` is the trunk.
+
+    With `taps`, the outputs of those decoder layers are joined before them: (n, (len(taps) + 1)
+    * hidden). The layers are wrapped for the call rather than re-implementing the trunk, so any
+    mlx-lm architecture whose trunk runs `model.model.layers` in order is tapped exactly."""
+    width = model.args.hidden_size * (len(taps) + 1)
+    if tokens.size == 0:
+        return mx.zeros((0, width))
+    if not taps:
+        return model.model(tokens[None], cache=cache)[0]
+    layers, tapped = model.model.layers, []
+    originals = {i: layers[i] for i in taps}
+    try:
+        for i, layer in originals.items():
+            layers[i] = _Tap(layer, tapped)
+        final = model.model(tokens[None], cache=cache)[0]
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
+    return mx.concatenate([*(t[0] for t in tapped), final], axis=-1)
+
+
+class _Tap:
+    """Calls a decoder layer and keeps its output (hidden_states' taps)."""
+
+    def __init__(self, layer: nn.Module, out: list) -> None:
+        self.layer, self.out = layer, out
+
+    def __getattr__(self, name: str):  # the trunk may read a layer's attributes (use_sliding)
+        return getattr(self.layer, name)
+
+    def __call__(self, *args, **kwargs) -> mx.array:
+        h = self.layer(*args, **kwargs)
+        self.out.append(h)
+        return h
+
+
+def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
+    """Logits from hidden states: the untied lm_head, or the tied input embedding."""
+    if getattr(model, "lm_head", None) is not None:
+        return model.lm_head(hidden)
+    return model.model.embed_tokens.as_linear(hidden)

@@ -1,0 +1,115 @@
+"""Verification: the acceptance rule, a speculative round and a plain step.
+
+Exactness (Leviathan et al. 2023, Chen et al. 2023): draft x ~ q, accept with probability
+min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); if all k drafts are
+accepted draw a bonus token from p at the last position. Every emitted token is then distributed
+exactly as if the target had sampled it alone, at every temperature and sampling option.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+
+import mlx.core as mx
+
+from . import hooks
+from .drafters import DistFn, Drafter
+from .sampling import SamplingOptions, distribution, penalty_windows, sample
+from .target import Target
+
+
+def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
+    """The sampling distribution for rows that follow `history` + extra[:first_row + r].
+
+    `columns` (optional) says the logits cover only some ids: it maps every id to its column,
+    or to len(columns of logits) for an id they lack (a drafter with its own smaller
+    vocabulary); the missing ids then have probability 0, as they would with logits of -inf."""
+
+    def dist(
+        logits: mx.array, extra: mx.array | None, first_row: int, columns: mx.array | None = None
+    ) -> mx.array:
+        if opts.repetition_penalty == 1.0:
+            return distribution(logits, opts)
+        rows = first_row + logits.shape[0]
+        windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
+        if columns is None:
+            return distribution(logits, opts, windows)
+        # Ids outside the logits point at one extra column of -inf, dropped afterwards.
+        pad = mx.full((logits.shape[0], 1), -mx.inf, dtype=logits.dtype)
+        probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
+        return probs[:, :-1]
+
+    dist.needs_history = opts.repetition_penalty != 1.0  # rows depend on the ids before them
+    return dist
+
+
+def accept(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
+    """Modified rejection sampling over k drafts: p (k+1, V) target, q (k, V) draft.
+
+    Returns (n, token): the length of the accepted prefix and the target's next token."""
+    k = drafts.size
+    u_key, r_key = mx.random.split(key)
+    rows = mx.arange(k)
+    px, qx = p[rows, drafts], q[rows, drafts]
+    # Accept x_i with probability min(1, p(x_i)/q(x_i)), i.e. u * q < p with u ~ U[0, 1).
+    ok = (mx.random.uniform(shape=(k,), key=u_key) * qx < px).astype(mx.int32)
+    n = mx.sum(mx.cumprod(ok))
+    # Rejected at n: draw from norm(max(0, p_n - q_n)). All accepted (n == k): q_k = 0, so from p_k.
+    q = mx.concatenate([q, mx.zeros((1, q.shape[1]), q.dtype)])
+    residual = mx.maximum(mx.take(p, n, axis=0) - mx.take(q, n, axis=0), 0.0)
+    residual = mx.where(mx.sum(residual) > 0, residual, mx.take(p, n, axis=0))
+    return n, sample(residual[None], r_key)[0]
+
+
+def one_hot(tokens: mx.array, vocab: int) -> mx.array:
+    return (mx.arange(vocab)[None] == tokens[:, None]).astype(mx.float32)
+
+
+def speculative_round(
+    target: Target, drafter: Drafter, last: int, k: int, dist: DistFn, key: mx.array
+) -> tuple[list[int], int, int, float, float]:
+    """Draft up to k tokens, verify them and the next position in one target pass, accept.
+
+    Returns (drafts, n_accepted, target_token, draft_seconds, verify_seconds). Both caches end
+    holding exactly the accepted context, also when something fails half-way."""
+    draft_key, accept_key = mx.random.split(key)
+    start, done = target.offset, False
+    drafts: list[int] = []
+    n = 0
+    try:
+        t0 = perf_counter()
+        proposal = drafter.propose(k, dist, draft_key)
+        # The drafts compute while Python builds the verification graph (~3 ms a pass), which
+        # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
+        # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
+        mx.async_eval(proposal.tokens)
+        k = proposal.tokens.size
+        with hooks.serial():
+            logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
+        p = dist(logits, proposal.tokens, 0)
+        q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
+        n_arr, token_arr = accept(p, q, proposal.tokens, accept_key)
+        mx.eval(proposal.tokens)
+        t1 = perf_counter()
+        mx.eval(n_arr, token_arr)
+        drafts, n, token = proposal.tokens.tolist(), n_arr.item(), token_arr.item()
+        done = True
+        return drafts, n, token, t1 - t0, perf_counter() - t1
+    finally:
+        # Rewind: the target keeps `last` and the n accepted drafts; a failed round keeps nothing.
+        target.trim_to(start + 1 + n if done else start)
+        if done:
+            kept_hidden = target.hidden[: n + 1] if target.hidden is not None else None
+            drafter.commit(k, n, drafts[:n] + [token], kept_hidden)
+        else:
+            drafter.abort(k)
+
+
+def plain_step(target: Target, last: int, dist: DistFn, key: mx.array, ahead: bool = False) -> int:
+    """One ordinary decoding step with the same sampling distribution. `ahead`: the pass over
+    the sampled id starts before the id is read (Target.launch), while Python waits for it."""
+    token = sample(dist(target.logits(mx.array([last])), None, 0), key)
+    if ahead:
+        mx.async_eval(token)  # computed while Python builds the next pass
+        target.launch(token)
+    return token.item()
