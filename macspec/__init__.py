@@ -1,9 +1,9 @@
 """macspec: exact speculative decoding for local LLMs on MLX."""
 
-from . import backend
+from . import platform_info
 
 # Before mlx.core is first imported (by .api): MLX's BLAS calls then bind to OpenBLAS (Linux).
-backend.load_fast_blas()
+platform_info.load_fast_blas()
 
 from .api import (  # noqa: E402
     GenerationResult,
@@ -13,7 +13,6 @@ from .api import (  # noqa: E402
     generate,
     stream_generate,
 )
-from .backend import BlasWarning  # noqa: E402
 from .core.sampling import SamplingOptions  # noqa: E402
 from .cpu import install as _install_cpu  # noqa: E402
 from .errors import (  # noqa: E402
@@ -28,6 +27,7 @@ from .errors import (  # noqa: E402
 )
 from .options import GenerationOptions  # noqa: E402
 from .pair import Pair, load  # noqa: E402
+from .platform_info import BlasWarning  # noqa: E402
 
 # The CPU package's kernels in the core (core/hooks.py): plain mlx where it does not apply.
 _install_cpu()

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .backend import cache_home
 from .core import hooks, measure, policy
 from .core.loaded import LoadedPair
 from .core.policy import Costs
+from .paths import costs_dir
 
 KEEP_ENV = "MACSPEC_KEEP_COSTS"  # 0: measure the long context at every load
 KEEP_DAYS = 7
@@ -71,7 +71,7 @@ class KeptCosts:
             hooks.setup(),
         ]
         key = hashlib.sha256(json.dumps(setup, default=str).encode()).hexdigest()[:16]
-        return cache_home() / "costs" / f"{key}.json"
+        return costs_dir() / f"{key}.json"
 
     def read(self, length: int, short: Costs) -> Costs | None:
         """The kept costs, or None: none kept, unreadable, older than KEEP_DAYS, or kept while a

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from macspec import backend as be
+from macspec import platform_info as be
 from macspec.cli import main
 
 MLX_REF = "/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -108,7 +108,7 @@ def _script(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 REPORT = (
-    "import json; from macspec.backend import blas_in_use, openblas_details\n"
+    "import json; from macspec.platform_info import blas_in_use, openblas_details\n"
     "import mlx.core as mx\n"
     "mx.eval(mx.ones((8, 64)) @ mx.ones((64, 64)))\n"
     "print(json.dumps([blas_in_use().kind, blas_in_use().path, openblas_details()]))\n"

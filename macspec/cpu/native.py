@@ -26,7 +26,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from ..backend import cache_home
+from ..paths import native_dir
 
 OFF_ENV = "MACSPEC_NATIVE"
 THREADS_ENV = "MACSPEC_NATIVE_THREADS"
@@ -39,12 +39,6 @@ MODULE = "_macspec_cpu"
 _module: ModuleType | None = None
 _tried = False
 reason: str | None = None  # why the extension is not in use, when it is not
-
-
-def cache_dir() -> Path:
-    """`$MACSPEC_HOME/native`, else `<platform cache dir>/macspec/native` (beside the model
-    store)."""
-    return cache_home() / "native"
 
 
 def _compiler() -> str | None:
@@ -193,7 +187,7 @@ def load() -> ModuleType | None:
     if reason:
         return None
     try:
-        path = cache_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
+        path = native_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             print("macspec: building its CPU kernels for this machine (once)", file=sys.stderr)

@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..backend import total_memory_bytes
 from ..errors import OptionError
+from ..platform_info import total_memory_bytes
 from . import convert as converter
 from . import default
 from .store import is_model_dir, list_models, load_catalog, store_root, validate_name

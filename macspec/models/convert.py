@@ -205,9 +205,9 @@ def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> None:
 
 
 def _backend_dtype(kind: str, src: Path) -> str | None:
-    """Full precision on the CPU backend follows backend.choose_weight_format (float32: BLAS
+    """Full precision on the CPU backend follows platform_info.choose_weight_format (float32: BLAS
     products; bfloat16 when float32 would not fit half of memory); elsewhere the source's."""
-    from ..backend import choose_weight_format, detect_backend
+    from ..platform_info import choose_weight_format, detect_backend
 
     if detect_backend() != "cpu":
         return None

@@ -17,8 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..backend import choose_weight_format
 from ..errors import ConvertError, ModelError, OptionError
+from ..platform_info import choose_weight_format
 from .convert import convert
 from .store import DATA, INFO_FILE, is_model_dir, store_root
 
@@ -34,7 +34,7 @@ PARAMETERS = 135_000_000  # SmolLM2-135M
 
 
 def default_format() -> tuple[str, str]:
-    """(format, reason): `backend.choose_weight_format`'s rule (float32 on CPU backends, the
+    """(format, reason): `platform_info.choose_weight_format`'s rule (float32 on CPU backends, the
     GGUF's own 4-bit weights on a GPU). `MACSPEC_DEFAULT_FORMAT` (float32 | float16 | 4bit)
     overrides."""
     env = os.environ.get("MACSPEC_DEFAULT_FORMAT")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backend import cache_home
 from ..errors import ConvertError, ModelError, OptionError
+from ..paths import models_dir
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
@@ -32,7 +32,7 @@ _TMP_PREFIX = ".tmp-"
 
 def store_root() -> Path:
     """`$MACSPEC_HOME/models`, else `<platform cache dir>/macspec/models`."""
-    return cache_home() / "models"
+    return models_dir()
 
 
 def validate_name(name: str) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .. import backend as be
+from .. import platform_info as be
 from ..api import prompt_ids, stream_generate
 from ..cpu import kernels
 from ..errors import MacspecError, OptionError

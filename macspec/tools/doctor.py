@@ -12,7 +12,7 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from .. import backend as be
+from .. import platform_info as be
 
 
 def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
@@ -215,7 +215,7 @@ def verify_costs(
 
     import macspec
 
-    from .. import backend as be
+    from .. import platform_info as be
     from ..core import caches
     from ..core.sampling import SamplingOptions, distribution, sample
     from ..core.target import hidden_states, output_head

@@ -337,20 +337,6 @@ def cpu_has_avx512() -> bool:
 AVX512_OPENBLAS_CORES = ("skylakex", "cooperlake", "sapphirerapids")
 
 
-def cache_home() -> Path:
-    """`$MACSPEC_HOME`, else `<platform cache dir>/macspec`: where the model store (models/) and
-    the native products built for this machine (native/) live."""
-    home = os.environ.get("MACSPEC_HOME")
-    if home:
-        return Path(home).expanduser()
-    try:
-        import platformdirs
-
-        return Path(platformdirs.user_cache_dir("macspec", appauthor=False))
-    except ImportError:  # platformdirs comes with huggingface-hub; this is a fallback only
-        return Path.home() / ".cache" / "macspec"
-
-
 def total_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
