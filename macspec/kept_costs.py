@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -19,19 +20,21 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import switches
 from .core import hooks, measure, policy
 from .core.loaded import LoadedPair
 from .core.policy import Costs
 from .paths import costs_dir
 
-KEEP_ENV = "MACSPEC_KEEP_COSTS"  # 0: measure the long context at every load
+log = logging.getLogger("macspec")
+
 KEEP_DAYS = 7
 KEEP_SPREAD = 0.25  # how far this load's plain step may be from the kept one's
 
 
 def calibrate(pair: LoadedPair, k: int = 4, long: int = 512) -> Costs:
     """core.measure.calibrate, with the long context's costs kept on disk (unless switched off)."""
-    kept = KeptCosts(pair, k) if os.environ.get(KEEP_ENV, "1") != "0" else None
+    kept = KeptCosts(pair, k) if switches.KEEP_COSTS.value() else None
     return measure.calibrate(pair, k, long, kept)
 
 
@@ -79,8 +82,10 @@ class KeptCosts:
         try:
             kept = json.loads(self.path(length).read_text())
             if time.time() - kept["measured"] > KEEP_DAYS * 86400:
+                log.info("kept costs older than %d days, measured again", KEEP_DAYS)
                 return None
             if abs(kept["short_plain_step"] / short.plain_step - 1.0) > KEEP_SPREAD:
+                log.info("kept costs from a machine this busy or idle no more, measured again")
                 return None
             c = kept["costs"]
             verify = tuple((int(n), float(t)) for n, t in c["verify"])
@@ -91,7 +96,10 @@ class KeptCosts:
                 position=c["position"],
                 measured=kept["measured"],
             )
-        except (OSError, ValueError, KeyError, TypeError):
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.info("kept costs unreadable, measured again: %s", e)
             return None
 
     def keep(self, length: int, costs: Costs, short: Costs) -> None:
@@ -106,5 +114,5 @@ class KeptCosts:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(data))
             tmp.replace(path)  # whole or not at all
-        except OSError:
-            pass  # a read-only cache: measured again next time
+        except OSError as e:  # a read-only cache: measured again next time
+            log.info("cannot keep the measured costs (%s): measured again at the next load", e)

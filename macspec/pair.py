@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import switches
 from .core import (
     Costs,
     Drafter,
@@ -108,8 +110,8 @@ class Pair:
         return self.drafter_factory(adaptive) if self.drafter_factory else None
 
 
-KERNELS_ENV = "MACSPEC_KERNELS"  # 0: mlx-lm's own layers everywhere
-PROMPT_CACHE_ENV = "MACSPEC_PROMPT_CACHE_MB"  # MiB of kept states (default 1024; 0: off)
+log = logging.getLogger("macspec")
+
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
@@ -139,8 +141,13 @@ def _load_model(
     except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
     if use_kernels:
-        hooks.accelerate_model(model)  # the CPU package's layers, where it is installed
+        changed = hooks.accelerate_model(model)  # the CPU package's layers, where installed
+        log.info("%s: %d decoder layers switched by the %r hooks", path.name, changed, _hooks())
     return model, tokenizer, config
+
+
+def _hooks() -> str:
+    return hooks.installed().name
 
 
 def _embedding_rows(model: nn.Module) -> int:
@@ -174,7 +181,7 @@ def load(
     default on, unless the environment sets MACSPEC_KERNELS=0. `measure`: measure this machine's
     costs for the adaptive policy now (else at the first adaptive speculative generation)."""
     if kernels is None:
-        kernels = os.environ.get(KERNELS_ENV, "1") != "0"
+        kernels = switches.KERNELS.value()
     if drafter is not None and drafter not in DRAFTERS:
         raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
     if drafter == "ngram" and draft is not None:
@@ -233,7 +240,7 @@ def load(
                 make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
             )
     if group is None:
-        pair.prompt_cache = prompt_cache(os.environ.get(PROMPT_CACHE_ENV))
+        pair.prompt_cache = prompt_cache(switches.PROMPT_CACHE_MB.value())
     if pair.drafter_factory is not None and group is None and measure:
         # Paid here, and said, rather than inside the first answer (issue: a first short
         # answer measured 0.78x plain with the ~3 s of measuring inside it).

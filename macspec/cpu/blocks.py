@@ -16,16 +16,15 @@ returns None and the layer runs op by op.
 from __future__ import annotations
 
 import operator
-import os
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import switches
 from . import products
 
-OFF_ENV = "MACSPEC_NATIVE_BLOCKS"
-_enabled = os.environ.get(OFF_ENV, "") != "0"
+_enabled = switches.NATIVE_BLOCKS.value()
 
 
 def enabled() -> bool:

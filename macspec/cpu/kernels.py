@@ -18,7 +18,7 @@ untouched; the logits agree with mlx-lm's to float32 rounding (tests).
 
 from __future__ import annotations
 
-import os
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,11 +27,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .. import switches
 from . import blocks, native, products
 from .products import on_cpu
 
-NATIVE_ENV = "MACSPEC_NATIVE_LAYERS"
-_native_layers = os.environ.get(NATIVE_ENV, "") != "0"
+log = logging.getLogger("macspec.cpu")
+_native_layers = switches.NATIVE_LAYERS.value()
 
 
 def native_layers() -> Any:
@@ -91,7 +92,8 @@ def _compiled(fn):
             probe = mx.array([[0.5, -2.0]])
             mx.eval(mx.compile(_swiglu)(probe, probe))
             _compiler_works = True
-        except Exception:  # no compiler on this machine: the uncompiled graph is still exact
+        except Exception as e:  # no compiler on this machine: the uncompiled graph is still exact
+            log.info("mx.compile cannot compile here (%s): the exp runs uncompiled", e)
             _compiler_works = False
     return mx.compile(fn) if _compiler_works else fn
 

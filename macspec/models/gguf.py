@@ -10,7 +10,7 @@ dtype, never the whole model in float32.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConvertError
+from ..logs import progress
 from . import gguf_arch
 from .gguf_read import (
     KEEP_BITS,
@@ -34,6 +35,8 @@ from .gguf_read import (
 )
 from .gguf_read import to_affine as _to_affine
 from .gguf_tokenizer import build_tokenizer
+
+log = logging.getLogger("macspec.models")
 
 GGUF_GROUP_SIZE = 32  # every GGUF block format that MLX keeps packed uses 32 weights per block
 SHARD_BYTES = 1 << 30
@@ -84,7 +87,7 @@ def _collapse(names: list[str]) -> str:
 
 
 class _Progress:
-    """Tensors done / total and an ETA on stderr, at most every few seconds."""
+    """Tensors done / total and an ETA as progress notes, at most every few seconds."""
 
     def __init__(self, total_bytes: int, count: int):
         self.total, self.count, self.every = max(total_bytes, 1), count, PROGRESS_EVERY
@@ -102,11 +105,10 @@ class _Progress:
         self.last = now
         spent = now - self.start
         eta = spent * (self.total - self.done) / max(self.done, 1)
-        print(
-            f"macspec: tensors {self.n}/{self.count} ({100 * self.done // self.total}% of the "
-            f"data), {spent:.0f} s, about {eta:.0f} s left",
-            file=sys.stderr,
-            flush=True,
+        progress(
+            log,
+            f"tensors {self.n}/{self.count} ({100 * self.done // self.total}% of the data), "
+            f"{spent:.0f} s, about {eta:.0f} s left",
         )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored mode
 DATA = Path(__file__).resolve().parents[1] / "data"  # package data: the catalog, the draft
 CATALOG = DATA / "catalog.json"
 _TMP_PREFIX = ".tmp-"
+
+log = logging.getLogger("macspec.models")
 
 
 def store_root() -> Path:
@@ -248,7 +251,8 @@ def tokenizer_fingerprint(path: Path) -> str:
             import sentencepiece as spmlib
 
             sp = spmlib.SentencePieceProcessor(model_file=str(spm))
-        except Exception:  # an unreadable model file: hash its bytes rather than fail a listing
+        except Exception as e:  # an unreadable model file: hash its bytes, not fail a listing
+            log.info("%s: unreadable (%s); its fingerprint hashes its bytes", spm, e)
             h.update(spm.read_bytes())
             return h.hexdigest()[:12]
         for i in range(sp.get_piece_size()):
@@ -294,7 +298,8 @@ def model_info(path: Path) -> ModelInfo:
     config = _read_json(path / "config.json")
     try:
         params, bits = weights_summary(path, config)
-    except (OSError, ValueError, KeyError, struct.error):
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        log.info("%s: its weights cannot be summarised (%s); listed with '?'", path, e)
         params, bits = 0, "?"
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     report = _read_json(path / "report.json")
@@ -329,6 +334,7 @@ def catalog_models() -> list[dict]:
     """The model specs (name, source, q) of every catalog pair."""
     try:
         pairs = load_catalog()
-    except ModelError:
+    except ModelError as e:
+        log.info("no catalog models: %s", e)
         return []
     return [p[k] for p in pairs for k in ("target", "draft") if isinstance(p.get(k), dict)]

@@ -13,6 +13,7 @@ from typing import Any
 from mlx.utils import tree_flatten
 
 from .. import platform_info as be
+from .. import switches
 
 
 def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
@@ -54,8 +55,32 @@ def diagnose() -> dict[str, Any]:
     report["weight_format"] = {"dtype": fmt.dtype, "reason": fmt.reason}
     report["layer_kernels"] = layer_kernels() if backend == "cpu" else "mlx's own mx.fast kernels"
     report["native_products"] = native_products() if backend == "cpu" else None
+    report["switches"] = switch_report()
     report["advice"] = advice(report)
     return report
+
+
+def _shown(value: Any) -> str:
+    return {True: "on", False: "off", None: "default"}.get(value, str(value))
+
+
+def switch_report() -> list[dict[str, Any]]:
+    """Every MACSPEC_* switch: its text here, its value (or why it is refused) and meaning."""
+    rows = [
+        {
+            "name": s.switch.name,
+            "set": s.raw,
+            "value": None if s.error else _shown(s.value),
+            "error": s.error,
+            "meaning": s.switch.meaning,
+            "read": "at import" if s.switch.at_import else "when used",
+        }
+        for s in switches.settings()
+    ]
+    return rows + [
+        {"name": n, "set": os.environ[n], "value": None, "error": "no switch has this name"}
+        for n in switches.unknown()
+    ]
 
 
 def layer_kernels() -> str:
@@ -66,13 +91,13 @@ def layer_kernels() -> str:
         fused = (
             "a llama/qwen2 layer as two primitives"
             if blocks.enabled() and products.active()
-            else f"one primitive each ({blocks.OFF_ENV}=0 or products off)"
+            else f"one primitive each ({switches.NATIVE_BLOCKS} or products off)"
         )
         return (
             f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to "
             f"{products.MAX_ROWS} rows; {fused})"
         )
-    why = native.reason or f"{kernels.NATIVE_ENV}=0"
+    why = native.reason or f"{switches.NATIVE_LAYERS} is off"
     return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"
 
 
@@ -85,7 +110,8 @@ def native_products() -> str:
     if ext is None:
         return f"off: {native.reason}; mlx's own products (BLAS, scalar quantized)"
     if not products.enabled():
-        return f"off: {products.OFF_ENV}=0; mlx's own products (BLAS, scalar quantized)"
+        off = f"{switches.NATIVE_PRODUCTS} is off"
+        return f"off: {off}; mlx's own products (BLAS, scalar quantized)"
     return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to {products.MAX_ROWS} rows)"
 
 
@@ -99,8 +125,8 @@ def advice(report: dict[str, Any]) -> list[str]:
                 f"float32 products use the {report['blas']} BLAS (10-30x slower): install OpenBLAS,"
                 f" e.g. `apt-get install {be.OPENBLAS_PACKAGE}`; macspec then loads it itself."
             )
-        elif os.environ.get(be.OPT_OUT_ENV, "") not in ("", "0"):
-            notes.append(f"OpenBLAS is installed but {be.OPT_OUT_ENV} is set: unset it.")
+        elif switches.NO_BLAS_PRELOAD.value():
+            notes.append(f"OpenBLAS is installed but {switches.NO_BLAS_PRELOAD} is on: unset it.")
         else:
             reason = report.get("blas_not_loaded_reason") or "mlx was imported first"
             notes.append(
@@ -179,6 +205,13 @@ def format_report(report: dict[str, Any]) -> str:
                 f"floor          {v['floor_ms']} ms: {v['weights_mb']} MB of weights at "
                 f"{v['bandwidth_gbs']} GB/s; products {v['native']}"
             )
+    for row in report.get("switches", []):
+        shown = "(unset)" if row["set"] is None else f"={row['set']}"
+        value = f"refused: {row['error']}" if row["error"] else row["value"]
+        read = " (read at import)" if row.get("read") == "at import" else ""
+        lines.append(f"switch         {row['name']}{shown} -> {value}{read}")
+        if row.get("meaning"):
+            lines.append(f"                 {row['meaning']}")
     lines += [f"advice         {note}" for note in report["advice"]]
     return "\n".join(lines)
 
