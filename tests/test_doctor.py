@@ -182,11 +182,17 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     assert all(t["layers"] > 0 and t["head"] > 0 for t in costs["split_ms"].values())
     assert main(["doctor", "--model", str(model)]) == 0
     assert "layers + head  1: " in capsys.readouterr().out
-    # Where one pass goes: each part timed, the rest never negative.
+    # Where one pass goes: each part timed; the rest is what the pass built whole took beyond
+    # them, and the overlap what evaluating while building saved against it (both clamped at 0).
+    names = ("build", "layer products", "head", "rest", "sample", "overlap saves", "built whole")
     for n, parts in costs["breakdown_ms"].items():
-        assert set(parts) == {"build", "layer products", "head", "rest", "sample", "overlap saves"}
+        assert set(parts) == set(names)
         assert parts["build"] > 0 and parts["layer products"] > 0 and parts["head"] > 0
-        assert parts["rest"] >= 0 and parts["overlap saves"] >= 0, n
+        whole = parts["built whole"]
+        alone = parts["build"] + parts["layer products"] + parts["head"]
+        assert whole > parts["build"], n
+        assert parts["rest"] == pytest.approx(max(whole - alone, 0.0), abs=0.011), n
+        assert parts["overlap saves"] == pytest.approx(max(whole - costs["ms"][n], 0.0), abs=0.011)
     chart = tmp_path / "pass.png"
     assert main(["doctor", "--model", str(model), "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

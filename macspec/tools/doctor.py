@@ -7,13 +7,18 @@ import json as jsonlib
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from .. import platform_info as be
 from .. import switches
+from ..core import caches, hooks
+from ..core.sampling import SamplingOptions, distribution, sample
+from ..core.target import hidden_states, output_head
 
 
 def row_cost_ratio(size: int = 2048, rows: int = 8) -> float:
@@ -231,6 +236,104 @@ def _layer_products(model: Any, head: Any) -> list[tuple[Any, int]]:
     return found
 
 
+class _PassTimes:
+    """The best times, by (part, rows), of one target pass over n new ids and of its parts
+    (verify_costs), after a `context`-id prompt."""
+
+    PARTS = ("pass", "serial", "layers", "head", "build", "products", "head_alone", "sample")
+
+    def __init__(self, pair: Any, rows: tuple[int, ...], context: int) -> None:
+        self.pair, self.target, self.rows, self.context = pair, pair.target, rows, context
+        target = self.target
+        # The split needs an mlx-lm decoder's layout (`model.model`, a tied or untied head);
+        # other models (multimodal wrappers such as qwen3_5's) get the pass times alone.
+        trunk = getattr(target, "model", None)
+        args = getattr(target, "args", None)
+        self.split = hasattr(trunk, "embed_tokens") and hasattr(args, "hidden_size")
+        head = (getattr(target, "lm_head", None) or trunk.embed_tokens) if self.split else None
+        self.products = _layer_products(target, head) if self.split else []
+        self.width = target.args.hidden_size if self.split else 0
+        self.cache = caches.make_cache(target, max(rows))
+        ids = [(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]
+        with caches.forward(self.cache, context):
+            mx.eval(target(mx.array([ids]), cache=self.cache))
+        self.best = {(part, n): float("inf") for part in self.PARTS for n in rows}
+        # Inputs of every product width, per row count, for timing the products alone.
+        widths = {k for _, k in self.products} | {self.width}
+        self.inputs = {n: {k: mx.ones((1, n, k)) for k in widths} for n in rows}
+        mx.eval(self.inputs if self.split else [])
+
+    def keep(self, part: str, n: int, rep: int, seconds: float) -> None:
+        if rep:  # the first round warms up
+            self.best[part, n] = min(self.best[part, n], seconds)
+
+    def timed(self, part: str, n: int, rep: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        mx.eval(out)
+        self.keep(part, n, rep, time.perf_counter() - start)
+        return out
+
+    def run(self, repeats: int) -> None:
+        """Variants interleaved, `repeats` times after a warm-up round."""
+        for rep in range(repeats + 1):
+            for n in self.rows:
+                logits = self.passes(n, rep)
+                if self.split:
+                    self.parts_alone(n, rep, logits)
+
+    def passes(self, n: int, rep: int) -> mx.array:
+        """The pass; split in layers and head; built whole, then evaluated. Each is taken back
+        as a rejected round's would be (recurrent layers keep their records): the pass time
+        includes what rewinding costs the next one."""
+        target, cache, x = self.target, self.cache, mx.array([[1] * n])
+        with caches.forward(cache, n, rewindable=True):
+            logits = self.timed("pass", n, rep, target, x, cache=cache)
+        caches.rewind(cache, self.context)
+        if not self.split:
+            return logits
+        with caches.forward(cache, n, rewindable=True):
+            h = self.timed("layers", n, rep, hidden_states, target, x[0], cache)
+        self.timed("head", n, rep, output_head, target, h)
+        caches.rewind(cache, self.context)
+        # Graph building timed alone: the layers that start evaluating early are held back.
+        with hooks.serial(), caches.forward(cache, n, rewindable=True):
+            start = time.perf_counter()
+            lazy = target(x, cache=cache)
+            self.keep("build", n, rep, time.perf_counter() - start)
+            mx.eval(lazy)
+            self.keep("serial", n, rep, time.perf_counter() - start)
+        caches.rewind(cache, self.context)
+        return logits
+
+    def parts_alone(self, n: int, rep: int, logits: mx.array) -> None:
+        """The layers' products and the head on inputs of the same shapes, and the greedy
+        choice of the next id."""
+        ones, products = self.inputs[n], self.products
+        self.timed("products", n, rep, lambda xs: [m(xs[k]) for m, k in products], ones)
+        self.timed("head_alone", n, rep, output_head, self.target, ones[self.width][0])
+        last = logits[0, -1:, : self.pair.vocab_size]
+        greedy, key = SamplingOptions(), mx.random.key(0)
+        self.timed("sample", n, rep, lambda v: sample(distribution(v, greedy), key).item(), last)
+
+    def breakdown(self, ms: dict) -> dict[str, dict[str, float]]:
+        """Per row count, in ms: the parts timed alone; the rest of the pass built whole (never
+        below 0); and what evaluating during the build saves against it."""
+        out = {}
+        for n in self.rows if self.split else ():
+            timed_alone = ms["build", n] + ms["products", n] + ms["head_alone", n]
+            out[str(n)] = {
+                "build": ms["build", n],
+                "layer products": ms["products", n],
+                "head": ms["head_alone", n],
+                "rest": round(max(ms["serial", n] - timed_alone, 0.0), 2),
+                "sample": ms["sample", n],
+                "overlap saves": round(max(ms["serial", n] - ms["pass", n], 0.0), 2),
+                "built whole": ms["serial", n],
+            }
+        return out
+
+
 def verify_costs(
     model: str, rows: tuple[int, ...] = (1, 2, 3, 5, 8), context: int = 128, repeats: int = 8
 ) -> dict[str, Any]:
@@ -242,98 +345,24 @@ def verify_costs(
     rest of the evaluation (attention, norms, elementwise ops, one dispatch per op), and, for a
     plain step, choosing the token (greedy) and reading it back. Variants interleave and the
     minimum is kept, so other load disturbs less."""
-    import time
-
-    import mlx.core as mx
-
     import macspec
 
-    from .. import platform_info as be
-    from ..core import caches
-    from ..core.sampling import SamplingOptions, distribution, sample
-    from ..core.target import hidden_states, output_head
-    from ..cpu import kernels
-
     pair = macspec.load(model)
-    target = pair.target
-    # The split needs an mlx-lm decoder's layout (`model.model`, a tied or untied head); other
-    # models (multimodal wrappers such as qwen3_5's) get the pass times alone.
-    trunk = getattr(target, "model", None)
-    split = hasattr(trunk, "embed_tokens") and hasattr(getattr(target, "args", None), "hidden_size")
-    head = (getattr(target, "lm_head", None) or trunk.embed_tokens) if split else None
-    products = _layer_products(target, head) if split else []
-    width = target.args.hidden_size if split else 0
-    cache = caches.make_cache(target, max(rows))
-    prompt = mx.array([[(7 * i) % max(pair.vocab_size - 1, 1) + 1 for i in range(context)]])
-    with caches.forward(cache, context):
-        mx.eval(target(prompt, cache=cache))
-    parts = ("pass", "serial", "layers", "head", "build", "products", "head_alone", "sample")
-    best = {(part, n): float("inf") for part in parts for n in rows}
-    greedy, key = SamplingOptions(), mx.random.key(0)
-    # Inputs of every product width, per row count, for timing the products alone.
-    widths = {k for _, k in products} | {width}
-    inputs = {n: {k: mx.ones((1, n, k)) for k in widths} for n in rows} if split else {}
-    mx.eval(inputs)
-
-    def timed(part: str, n: int, rep: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        mx.eval(out)
-        if rep:  # the first round warms up
-            best[part, n] = min(best[part, n], time.perf_counter() - start)
-        return out
-
-    for rep in range(repeats + 1):
-        for n in rows:
-            x = mx.array([[1] * n])
-            # Passes are taken back as a rejected round would be (recurrent layers keep their
-            # records); the pass time includes what rewinding costs the next one.
-            with caches.forward(cache, n, rewindable=True):
-                logits = timed("pass", n, rep, target, x, cache=cache)
-            caches.rewind(cache, context)
-            if not split:
-                continue
-            with caches.forward(cache, n, rewindable=True):
-                h = timed("layers", n, rep, hidden_states, target, x[0], cache)
-            timed("head", n, rep, output_head, target, h)
-            caches.rewind(cache, context)
-            # Graph building timed alone: the layers that start evaluating early are held back.
-            with kernels.serial(), caches.forward(cache, n, rewindable=True):
-                start = time.perf_counter()
-                lazy = target(x, cache=cache)
-                if rep:
-                    best["build", n] = min(best["build", n], time.perf_counter() - start)
-                mx.eval(lazy)
-                if rep:
-                    best["serial", n] = min(best["serial", n], time.perf_counter() - start)
-            caches.rewind(cache, context)
-            ones = inputs[n]
-            timed("products", n, rep, lambda xs: [m(xs[k]) for m, k in products], ones)
-            timed("head_alone", n, rep, output_head, target, ones[width][0])
-            last = logits[0, -1:, : pair.vocab_size]
-            timed("sample", n, rep, lambda v: sample(distribution(v, greedy), key).item(), last)
+    times = _PassTimes(pair, rows, context)
+    times.run(repeats)
+    best = times.best
     one = best["pass", rows[0]]
-    weights = sum(v.nbytes for _, v in tree_flatten(target.parameters()))
+    weights = sum(v.nbytes for _, v in tree_flatten(pair.target.parameters()))
     ms = {k: round(v * 1000, 2) for k, v in best.items()}
-    breakdown = {}
-    for n in rows if split else ():
-        # rest from the pass built whole; what evaluating during the build saves is its own line
-        rest = ms["serial", n] - ms["build", n] - ms["products", n] - ms["head_alone", n]
-        breakdown[str(n)] = {
-            "build": ms["build", n],
-            "layer products": ms["products", n],
-            "head": ms["head_alone", n],
-            "rest": round(max(rest, 0.0), 2),
-            "sample": ms["sample", n],
-            "overlap saves": round(max(ms["serial", n] - ms["pass", n], 0.0), 2),
-        }
     bandwidth = be.measure_bandwidth()["best"]
     return {
         "model": str(pair.target_path),
         "ms": {str(n): ms["pass", n] for n in rows},
         "ratio": {str(n): round(best["pass", n] / one, 2) for n in rows},
-        "split_ms": {str(n): {p: ms[p, n] for p in ("layers", "head")} for n in rows if split},
-        "breakdown_ms": breakdown,
+        "split_ms": {
+            str(n): {p: ms[p, n] for p in ("layers", "head")} for n in rows if times.split
+        },
+        "breakdown_ms": times.breakdown(ms),
         "weights_mb": round(weights / 1e6, 1),
         "bandwidth_gbs": round(bandwidth, 1),
         # the step if every weight byte were read once at the measured copy bandwidth
