@@ -182,12 +182,7 @@ def load(
     costs for the adaptive policy now (else at the first adaptive speculative generation)."""
     if kernels is None:
         kernels = switches.KERNELS.value()
-    if drafter is not None and drafter not in DRAFTERS:
-        raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
-    if drafter == "ngram" and draft is not None:
-        raise OptionError("drafter='ngram' uses no draft model: leave out draft")
-    if drafter == "model" and draft is None and target is not None:
-        raise OptionError("drafter='model' needs a draft model: give draft=")
+    _check_drafter(target, draft, drafter)
     if target is None:
         from .models.default import default_draft, default_target
 
@@ -220,34 +215,57 @@ def load(
     pair.cache_kinds = caches.kinds(model)
     if speculates:
         pair.cache_kinds = _checked_caches(model, target_path, "target", pair.vocab_size)
-    if drafter == "ngram":
-        pair.drafter_kind = "ngram"
-        pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
-    elif draft is not None:
-        pair.draft_path = resolve_model(draft)
-        kind = _feature_draft_kind(pair.draft_path)
-        if kind is not None:
-            module = importlib.import_module(FEATURE_DRAFTS[kind])
-            make = module.load_draft(pair.draft_path, pair)
-        else:
-            kind, make = "model", _attach_draft_model(pair, rows, vocab)
-        # Every draft tries an n-gram copy from the context first, unless drafter="model".
-        if drafter == "model":
-            pair.drafter_kind, pair.drafter_factory = kind, make
-        else:
-            pair.drafter_kind = f"{kind}+ngram"
-            pair.drafter_factory = lambda adaptive: HybridDrafter(
-                make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
-            )
+    _attach_drafter(pair, draft, drafter, rows, vocab)
     if group is None:
         pair.prompt_cache = prompt_cache(switches.PROMPT_CACHE_MB.value())
     if pair.drafter_factory is not None and group is None and measure:
-        # Paid here, and said, rather than inside the first answer (issue: a first short
-        # answer measured 0.78x plain with the ~3 s of measuring inside it).
-        t0 = time.perf_counter()
-        pair.costs = calibrate(pair)
-        pair.calibration_time = time.perf_counter() - t0
+        _measure(pair)
     return pair
+
+
+def _measure(pair: Pair) -> None:
+    """The machine's costs, measured at load: paid here, and said, rather than inside the first
+    answer (a short one would count the seconds of measuring as its own)."""
+    t0 = time.perf_counter()
+    pair.costs = calibrate(pair)
+    pair.calibration_time = time.perf_counter() - t0
+
+
+def _check_drafter(target: object, draft: object, drafter: str | None) -> None:
+    """OptionError for a drafter= choice that does not fit the models given."""
+    if drafter is not None and drafter not in DRAFTERS:
+        raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
+    if drafter == "ngram" and draft is not None:
+        raise OptionError("drafter='ngram' uses no draft model: leave out draft")
+    if drafter == "model" and draft is None and target is not None:
+        raise OptionError("drafter='model' needs a draft model: give draft=")
+
+
+def _attach_drafter(
+    pair: Pair, draft: str | os.PathLike | None, drafter: str | None, rows: int, vocab: int
+) -> None:
+    """The pair's drafter kind and factory: an n-gram copy, or the draft (a model or a feature
+    draft), behind an n-gram copy from the context unless drafter="model"."""
+    if drafter == "ngram":
+        pair.drafter_kind = "ngram"
+        pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
+        return
+    if draft is None:
+        return
+    pair.draft_path = resolve_model(draft)
+    kind = _feature_draft_kind(pair.draft_path)
+    if kind is not None:
+        module = importlib.import_module(FEATURE_DRAFTS[kind])
+        make = module.load_draft(pair.draft_path, pair)
+    else:
+        kind, make = "model", _attach_draft_model(pair, rows, vocab)
+    if drafter == "model":
+        pair.drafter_kind, pair.drafter_factory = kind, make
+    else:
+        pair.drafter_kind = f"{kind}+ngram"
+        pair.drafter_factory = lambda adaptive: HybridDrafter(
+            make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
+        )
 
 
 def prompt_cache(mib: str | float | None = None) -> PromptCache | None:

@@ -8,10 +8,32 @@ and otherwise leaves mlx's own ops (Metal and CUDA have real kernels for all of 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
 from . import blocks, kernels, products
+
+
+@contextmanager
+def tree_positions(modules: list, positions: mx.array, end: int) -> Iterator[None]:
+    """A token tree's pass (core/tree.py, through hooks.tree_positions): the table RoPE rotates
+    consecutive rows, so the switched attentions among `modules` run their native path with each
+    row at its own position instead (up to `end`), and their mlx path with the module's `rope`."""
+    switched = [m for m in modules if hasattr(m, "_macspec_rope")]
+    tables = [m._macspec_rope for m in switched]
+    for m, table in zip(switched, tables, strict=True):
+        m._macspec_rope = None
+        m._macspec_tree = (table, positions, end)
+    try:
+        yield
+    finally:
+        for m, table in zip(switched, tables, strict=True):
+            m._macspec_rope = table
+            del m._macspec_tree
 
 
 def accelerate_draft(module: nn.Module, layers: list) -> int:
@@ -36,7 +58,7 @@ HOOKS = hooks.Hooks(
     softmax=kernels.softmax,
     matmul_t=products.matmul_t,
     serial=kernels.serial,
-    tree_positions=kernels.tree_positions,
+    tree_positions=tree_positions,
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,

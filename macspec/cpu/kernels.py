@@ -447,24 +447,6 @@ def serial():
         _overlap = was
 
 
-@contextmanager
-def tree_positions(modules: list, positions: mx.array, end: int) -> Iterator[None]:
-    """A token tree's pass (core/tree.py, through hooks.tree_positions): the table RoPE rotates
-    consecutive rows, so the switched attentions among `modules` run their native path with each
-    row at its own position instead (up to `end`), and their mlx path with the module's `rope`."""
-    switched = [m for m in modules if hasattr(m, "_macspec_rope")]
-    tables = [m._macspec_rope for m in switched]
-    for m, table in zip(switched, tables, strict=True):
-        m._macspec_rope = None
-        m._macspec_tree = (table, positions, end)
-    try:
-        yield
-    finally:
-        for m, table in zip(switched, tables, strict=True):
-            m._macspec_rope = table
-            del m._macspec_tree
-
-
 def _fused_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array | None:
     """The layer as two native primitives (blocks.py), or None where it cannot be."""
     case = native_case(self["self_attn"], x, mask, cache)
