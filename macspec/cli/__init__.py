@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    logs.show(verbose=args.verbose)
+    logs.show(verbose=vars(args).pop("verbose"))  # consumed here: commands take their own flags
     try:
         result = args.func(args)
     except MacspecError as e:

@@ -243,13 +243,7 @@ def convert(
     embeddings and the output head at 8 bits when quantizing.
     Returns the new model's directory.
     """
-    q = str(q).lower().removesuffix("bit")
-    if q not in Q_CHOICES:
-        raise OptionError(f"-q must be one of {', '.join(Q_CHOICES)}, not {q!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if group_size not in GROUP_SIZES:
-        raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
+    q = _checked_options(q, group_size, dtype)
     kind, src = _source_kind(source)
     name = validate_name(output) if output else None  # a bad name fails before any download
     if name is not None and (store_root() / name).exists() and not force:
@@ -263,44 +257,70 @@ def convert(
     if dest.exists() and not force:
         raise ConvertError(f"{dest} already exists; pass --force to replace it")
 
-    from mlx_lm.utils import load_model, load_tokenizer
-
     start = time.perf_counter()
     with staging(name, force=force) as tmp:
-        if kind == "gguf":
-            model_src = tmp / ".gguf-raw"  # intermediate mlx-lm layout, removed before publishing
-            _from_gguf(src, model_src, q, dtype)
-        else:
-            model_src = src
-        config = check_safe(model_src)
-        chosen = dtype or config.get("torch_dtype") or config.get("dtype")
-        chosen = chosen if chosen in DTYPES else "float16"
-        try:
-            model, config = load_model(model_src, lazy=True)
-        except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-            raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
-        try:
-            tokenizer = load_tokenizer(model_src)
-        except Exception as e:  # transformers raises many types for a missing/broken tokenizer
-            raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
-        model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
-        info = {
-            "source": str(source) if kind == "hub" else str(src),
-            "kind": kind,
-            "q": q,
-            "group_size": group_size if q in ("4", "8") else None,
-            "dtype": chosen,
-            "embed_8bit": embed_8bit,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        try:
-            _write(model, tokenizer, config, model_src, tmp, info)
-        except (ValueError, RuntimeError, OSError) as e:
-            raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
-        del model
-        shutil.rmtree(tmp / ".gguf-raw", ignore_errors=True)
+        _convert_into(tmp, kind, src, source, q, group_size, dtype, embed_8bit)
     _say(f"converted {source} -> {dest} ({time.perf_counter() - start:.1f} s)")
     return dest
+
+
+def _checked_options(q: str, group_size: int, dtype: str | None) -> str:
+    """The quantization choice (without a "bit" suffix); OptionError for any option not offered."""
+    q = str(q).lower().removesuffix("bit")
+    if q not in Q_CHOICES:
+        raise OptionError(f"-q must be one of {', '.join(Q_CHOICES)}, not {q!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if group_size not in GROUP_SIZES:
+        raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
+    return q
+
+
+def _convert_into(
+    tmp: Path,
+    kind: str,
+    src: Path,
+    source: str,
+    q: str,
+    group_size: int,
+    dtype: str | None,
+    embed_8bit: bool,
+) -> None:
+    """Write the converted model into the staging directory `tmp`."""
+    from mlx_lm.utils import load_model, load_tokenizer
+
+    if kind == "gguf":
+        model_src = tmp / ".gguf-raw"  # intermediate mlx-lm layout, removed before publishing
+        _from_gguf(src, model_src, q, dtype)
+    else:
+        model_src = src
+    config = check_safe(model_src)
+    chosen = dtype or config.get("torch_dtype") or config.get("dtype")
+    chosen = chosen if chosen in DTYPES else "float16"
+    try:
+        model, config = load_model(model_src, lazy=True)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
+    try:
+        tokenizer = load_tokenizer(model_src)
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+        raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
+    model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
+    info = {
+        "source": str(source) if kind == "hub" else str(src),
+        "kind": kind,
+        "q": q,
+        "group_size": group_size if q in ("4", "8") else None,
+        "dtype": chosen,
+        "embed_8bit": embed_8bit,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        _write(model, tokenizer, config, model_src, tmp, info)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
+    del model
+    shutil.rmtree(tmp / ".gguf-raw", ignore_errors=True)
 
 
 def _run(args: argparse.Namespace) -> int:

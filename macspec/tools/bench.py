@@ -263,37 +263,13 @@ def bench(
     weight_bytes = _nbytes(pair.target)
     say("measuring memory bandwidth ...")
     bandwidth = be.measure_bandwidth()
-    encoded = []
-    for p in prompt_list:
-        if context:  # decode after `context` tokens, like llama-bench -d
-            p = with_context(p, lambda q: len(prompt_ids(pair, messages=q.messages)), context)
-        ids = prompt_ids(pair, messages=p.messages)
-        if len(ids) + max_tokens > pair.context_length:
-            reason = f"{len(ids)} prompt tokens + {max_tokens} exceed the context"
-            skipped.append({"method": f"prompt {p.name}", "reason": reason})
-            say(f"skipping prompt {p.name}: {reason}")
-        else:
-            encoded.append((p, ids))
-    if not encoded:
-        raise OptionError("no prompt fits the model's context: lower --max-tokens")
+    encoded = _encoded(pair, prompt_list, context, max_tokens, skipped, say)
 
-    # Warm-up: the first call of each method pays one-off set-up costs, so it is not timed.
-    say("warming up ...")
-    for m in plan:
-        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", "", 0.0, -1, seed)
-        runner.run(m, encoded[0][1][:64], 0.0, seed, rec)
     records = _measure(runner, plan, encoded, temps, repeats, seed, say)
 
-    settings = {
-        "max_tokens": max_tokens,
-        "context": context,
-        "temperatures": temps,
-        "num_draft": ks,
-        "tree_nodes": trees,
-        "adaptive_tree_nodes": adaptive_tree_nodes,
-        "repeats": repeats,
-        "seed": seed,
-    }
+    settings = {"max_tokens": max_tokens, "context": context, "temperatures": temps}
+    settings |= {"num_draft": ks, "tree_nodes": trees, "adaptive_tree_nodes": adaptive_tree_nodes}
+    settings |= {"repeats": repeats, "seed": seed}
     result: dict[str, Any] = {
         "meta": _meta(pairs, bandwidth, weight_bytes, settings, encoded, plan),
         "skipped": skipped,
@@ -307,6 +283,27 @@ def bench(
     return result
 
 
+def _encoded(
+    pair: Any, prompt_list: list, context: int, max_tokens: int, skipped: list, say: Any
+) -> list[tuple[Any, list[int]]]:
+    """(prompt, ids) of each prompt that fits the context with max_tokens after it (after
+    `context` tokens of other questions, like llama-bench -d); the others go to `skipped`."""
+    encoded = []
+    for p in prompt_list:
+        if context:
+            p = with_context(p, lambda q: len(prompt_ids(pair, messages=q.messages)), context)
+        ids = prompt_ids(pair, messages=p.messages)
+        if len(ids) + max_tokens > pair.context_length:
+            reason = f"{len(ids)} prompt tokens + {max_tokens} exceed the context"
+            skipped.append({"method": f"prompt {p.name}", "reason": reason})
+            say(f"skipping prompt {p.name}: {reason}")
+        else:
+            encoded.append((p, ids))
+    if not encoded:
+        raise OptionError("no prompt fits the model's context: lower --max-tokens")
+    return encoded
+
+
 def _measure(
     runner: Runner,
     plan: list[Method],
@@ -316,7 +313,12 @@ def _measure(
     seed: int,
     say: Any,
 ) -> list[RunRecord]:
-    """Every method of the plan on every prompt at every temperature, `repeats` times."""
+    """Every method of the plan on every prompt at every temperature, `repeats` times, after
+    one untimed warm-up call of each (the first call of a method pays one-off set-up costs)."""
+    say("warming up ...")
+    for m in plan:
+        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", "", 0.0, -1, seed)
+        runner.run(m, encoded[0][1][:64], 0.0, seed, rec)
     records: list[RunRecord] = []
     total = repeats * len(temps) * len(encoded) * len(plan)
     # Methods interleave per prompt, so drift in machine load hits them all alike.

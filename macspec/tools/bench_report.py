@@ -104,64 +104,87 @@ def summarise(
     records: list[RunRecord], weight_bytes: int, bandwidth_gbs: float
 ) -> list[dict[str, Any]]:
     """One row per (temperature, method, kind), kind "all" included; speedup vs mlx-lm plain."""
-    rows: list[dict[str, Any]] = []
     groups: dict[tuple, list[RunRecord]] = {}
     for r in records:
         for kind in (r.kind, "all"):
             groups.setdefault((r.temperature, r.label, kind), []).append(r)
-    for (temp, label, kind), recs in groups.items():
-        by_repeat: dict[int, list[RunRecord]] = {}
-        for r in recs:
-            by_repeat.setdefault(r.repeat, []).append(r)
-        # One figure per repeat: all this kind's tokens over all its time (long answers weigh more).
-        tok_s = [
-            sum(r.decode_tokens for r in rs) / t
-            for rs in by_repeat.values()
-            if (t := sum(r.decode_time for r in rs)) > 0
-        ]
-        passes_s = [
-            sum(r.passes for r in rs) / t
-            for rs in by_repeat.values()
-            if (t := sum(r.decode_time for r in rs)) > 0
-        ]
-        drafted, accepted = sum(r.drafted for r in recs), sum(r.accepted for r in recs)
-        spec_rounds = sum(r.spec_rounds for r in recs)
-        width = max((len(r.drafted_at) for r in recs), default=0)
-        at_d = [sum(r.drafted_at[i] for r in recs if i < len(r.drafted_at)) for i in range(width)]
-        at_a = [sum(r.accepted_at[i] for r in recs if i < len(r.accepted_at)) for i in range(width)]
-        total = sum(r.decode_time for r in recs)
-        split = None
-        if all(r.draft_time is not None for r in recs) and total > 0:
-            d = sum(r.draft_time or 0.0 for r in recs) / total
-            v = sum(r.verify_time or 0.0 for r in recs) / total
-            split = {"draft": d, "verify": v, "other": max(0.0, 1.0 - d - v)}
-        first = recs[0]
-        weight_gbs = statistics.median(passes_s) * weight_bytes / 1e9 if passes_s else 0.0
-        rows.append(
-            {
-                "temperature": temp,
-                "method": first.method,
-                "label": label,
-                "num_draft": first.num_draft,
-                "kind": kind,
-                "runs": len(recs),
-                "tokens": sum(r.decode_tokens for r in recs),
-                "tok_s": _median_min_max(tok_s) if tok_s else None,
-                "speedup": None,
-                "acceptance_rate": accepted / drafted if drafted else None,
-                # Tokens emitted per speculative round: accepted drafts + the target's token.
-                "mean_accepted_length": (accepted + spec_rounds) / spec_rounds
-                if spec_rounds
-                else None,
-                "per_position_acceptance": [a / d for a, d in zip(at_a, at_d, strict=True) if d],
-                "time_split": split,
-                "peak_memory_bytes": max(r.peak_memory for r in recs),
-                "target_passes_per_s": statistics.median(passes_s) if passes_s else 0.0,
-                "rows_per_pass": sum(r.rows for r in recs) / max(1, sum(r.passes for r in recs)),
-                "weight_read_gbs": weight_gbs,
-                "bandwidth_fraction": weight_gbs / bandwidth_gbs if bandwidth_gbs else None,
-            }
-        )
+    rows = [_row(*key, recs, weight_bytes, bandwidth_gbs) for key, recs in groups.items()]
+    _against_baseline(rows)
+    order = {label: i for i, label in enumerate(dict.fromkeys(rec.label for rec in records))}
+    kinds = {k: i for i, k in enumerate([*KINDS, "all"])}
+    rows.sort(key=lambda r: (r["temperature"], order[r["label"]], kinds.get(r["kind"], -1)))
+    return rows
+
+
+def _per_repeat(recs: list[RunRecord], count: Any) -> list[float]:
+    """One figure per repeat: count(records) over all their time (long answers weigh more)."""
+    by_repeat: dict[int, list[RunRecord]] = {}
+    for r in recs:
+        by_repeat.setdefault(r.repeat, []).append(r)
+    return [
+        sum(count(r) for r in rs) / t
+        for rs in by_repeat.values()
+        if (t := sum(r.decode_time for r in rs)) > 0
+    ]
+
+
+def _acceptance(recs: list[RunRecord]) -> dict[str, Any]:
+    drafted, accepted = sum(r.drafted for r in recs), sum(r.accepted for r in recs)
+    spec_rounds = sum(r.spec_rounds for r in recs)
+    width = max((len(r.drafted_at) for r in recs), default=0)
+    at_d = [sum(r.drafted_at[i] for r in recs if i < len(r.drafted_at)) for i in range(width)]
+    at_a = [sum(r.accepted_at[i] for r in recs if i < len(r.accepted_at)) for i in range(width)]
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        # Tokens emitted per speculative round: accepted drafts + the target's token.
+        "mean_accepted_length": (accepted + spec_rounds) / spec_rounds if spec_rounds else None,
+        "per_position_acceptance": [a / d for a, d in zip(at_a, at_d, strict=True) if d],
+    }
+
+
+def _time_split(recs: list[RunRecord]) -> dict[str, float] | None:
+    total = sum(r.decode_time for r in recs)
+    if not all(r.draft_time is not None for r in recs) or total <= 0:
+        return None
+    d = sum(r.draft_time or 0.0 for r in recs) / total
+    v = sum(r.verify_time or 0.0 for r in recs) / total
+    return {"draft": d, "verify": v, "other": max(0.0, 1.0 - d - v)}
+
+
+def _row(
+    temp: float,
+    label: str,
+    kind: str,
+    recs: list[RunRecord],
+    weight_bytes: int,
+    bandwidth_gbs: float,
+) -> dict[str, Any]:
+    tok_s = _per_repeat(recs, lambda r: r.decode_tokens)
+    passes_s = _per_repeat(recs, lambda r: r.passes)
+    first = recs[0]
+    weight_gbs = statistics.median(passes_s) * weight_bytes / 1e9 if passes_s else 0.0
+    return {
+        "temperature": temp,
+        "method": first.method,
+        "label": label,
+        "num_draft": first.num_draft,
+        "kind": kind,
+        "runs": len(recs),
+        "tokens": sum(r.decode_tokens for r in recs),
+        "tok_s": _median_min_max(tok_s) if tok_s else None,
+        "speedup": None,
+        **_acceptance(recs),
+        "time_split": _time_split(recs),
+        "peak_memory_bytes": max(r.peak_memory for r in recs),
+        "target_passes_per_s": statistics.median(passes_s) if passes_s else 0.0,
+        "rows_per_pass": sum(r.rows for r in recs) / max(1, sum(r.passes for r in recs)),
+        "weight_read_gbs": weight_gbs,
+        "bandwidth_fraction": weight_gbs / bandwidth_gbs if bandwidth_gbs else None,
+    }
+
+
+def _against_baseline(rows: list[dict[str, Any]]) -> None:
+    """Each row's speedup and round cost against mlx-lm plain at its temperature and kind."""
     base = {
         (r["temperature"], r["kind"]): r["tok_s"]["median"]
         for r in rows
@@ -179,10 +202,6 @@ def summarise(
         # Seconds a round takes (drafting, verification, rewinding) in plain steps.
         bp = base_passes.get((r["temperature"], r["kind"]))
         r["round_cost"] = bp / r["target_passes_per_s"] if bp and r["target_passes_per_s"] else None
-    order = {label: i for i, label in enumerate(dict.fromkeys(rec.label for rec in records))}
-    kinds = {k: i for i, k in enumerate([*KINDS, "all"])}
-    rows.sort(key=lambda r: (r["temperature"], order[r["label"]], kinds.get(r["kind"], -1)))
-    return rows
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -244,9 +263,15 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    paths = [out_dir / "speedup.png", out_dir / "acceptance.png"]
+    _speedup_chart(plt, result, paths[0])
+    _acceptance_chart(plt, result, paths[1])
+    return paths
+
+
+def _speedup_chart(plt: Any, result: dict[str, Any], path: Path) -> None:
     rows, temps = result["summary"], result["meta"]["temperatures"]
     kinds = [*result["meta"]["kinds"], "all"]
-    paths = []
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.2), squeeze=False)
     for ax, temp in zip(axes[0], temps, strict=True):
         labels = [
@@ -279,10 +304,12 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.legend(handles, names, loc="lower center", ncol=min(len(names), 3), fontsize=8)
     rows_of_legend = -(-len(names) // 3)
     fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
-    paths.append(out_dir / "speedup.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
+
+def _acceptance_chart(plt: Any, result: dict[str, Any], path: Path) -> None:
+    rows, temps = result["summary"], result["meta"]["temperatures"]
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.2), squeeze=False)
     for ax, temp in zip(axes[0], temps, strict=True):
         for r in iter_rows(result, temp):
@@ -296,7 +323,5 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title(f"acceptance by position, temperature {temp}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return paths

@@ -150,64 +150,66 @@ def train(
     loss_and_grad = nn.value_and_grad(
         draft, lambda b: _loss(draft, head, parts.embed, b, reg_weight, unroll)
     )
-    step = 0
-    ckpt = ckpt_dir / "checkpoint.safetensors"
-    if resume and ckpt.is_file():
-        saved = mx.load(str(ckpt))
-        draft.load_weights([(k[6:], v) for k, v in saved.items() if k.startswith("model.")])
-        opt.init(draft.trainable_parameters())
-        state = tree_unflatten([(k[4:], v) for k, v in saved.items() if k.startswith("opt.")])
-        opt.state = state
-        step = int(json.loads((ckpt_dir / "checkpoint.json").read_text())["step"])
-        say(f"resuming training at step {step}/{steps}")
+    step = _resume(draft, opt, ckpt_dir, steps) if resume else 0
     mx.eval(draft.parameters())
-
-    def save(step: int) -> None:
-        arrays = {f"model.{k}": v for k, v in tree_flatten(draft.parameters())}
-        arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
-        save_atomic(ckpt, arrays)
-        (ckpt_dir / "checkpoint.json").write_text(json.dumps({"step": step, "steps": steps}))
-
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     start, done_tokens, ema_loss, ema_acc = time.perf_counter(), 0, None, None
     first = step
     while step < steps:
         epoch, i = divmod(step, per_epoch)
         order = np.random.default_rng([seed, epoch]).permutation(train_rows)
-        rows = order[i * batch_rows : (i + 1) * batch_rows].tolist()
-        batch = data.batch(rows)
-        (loss, acc), grads = loss_and_grad(batch)
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        opt.update(draft, grads)
-        mx.eval(draft.parameters(), opt.state, loss, acc)
+        batch = data.batch(order[i * batch_rows : (i + 1) * batch_rows].tolist())
+        loss, acc = _step(draft, opt, loss_and_grad, batch)
         step += 1
         done_tokens += batch[3].size
         ema_loss = loss.item() if ema_loss is None else 0.9 * ema_loss + 0.1 * loss.item()
         ema_acc = acc.item() if ema_acc is None else 0.9 * ema_acc + 0.1 * acc.item()
         if step % checkpoint_every == 0 or step == steps:
-            save(step)
+            _save(draft, opt, ckpt_dir, step, steps)
         if progress:
             elapsed = time.perf_counter() - start
-            rate = done_tokens / max(elapsed, 1e-9)
-            eta = elapsed / (step - first) * (steps - step)
-            bar(
-                "train",
-                step,
-                steps,
-                f"step {step}/{steps}  loss {ema_loss:.3f}  top1 {ema_acc:.2f}  "
-                f"{rate:.0f} tok/s  ETA {hms(eta)}",
-            )
+            eta = hms(elapsed / (step - first) * (steps - step))
+            speed = f"{done_tokens / max(elapsed, 1e-9):.0f} tok/s  ETA {eta}"
+            bar("train", step, steps, f"step {step}/{steps}  {_ema(ema_loss, ema_acc)}  {speed}")
     if progress:
         end_bar()
-    return {
-        "steps": steps,
-        "epochs": epochs,
-        "batch_rows": batch_rows,
-        "lr": lr,
-        "unroll": unroll,
-        "reg_weight": reg_weight,
-        "final_loss": ema_loss,
-    }
+    facts = {"steps": steps, "epochs": epochs, "batch_rows": batch_rows, "lr": lr}
+    return {**facts, "unroll": unroll, "reg_weight": reg_weight, "final_loss": ema_loss}
+
+
+def _ema(loss: float, acc: float) -> str:
+    return f"loss {loss:.3f}  top1 {acc:.2f}"
+
+
+def _step(draft: Any, opt: optim.Optimizer, loss_and_grad: Callable, batch: tuple) -> tuple:
+    """One optimizer step on `batch`: (loss, top-1 agreement), evaluated."""
+    (loss, acc), grads = loss_and_grad(batch)
+    grads, _ = optim.clip_grad_norm(grads, 1.0)
+    opt.update(draft, grads)
+    mx.eval(draft.parameters(), opt.state, loss, acc)
+    return loss, acc
+
+
+def _resume(draft: Any, opt: optim.Optimizer, ckpt_dir: Path, steps: int) -> int:
+    """The step a checkpoint in `ckpt_dir` left off at (its weights and optimizer state
+    restored), or 0 without one."""
+    ckpt = ckpt_dir / "checkpoint.safetensors"
+    if not ckpt.is_file():
+        return 0
+    saved = mx.load(str(ckpt))
+    draft.load_weights([(k[6:], v) for k, v in saved.items() if k.startswith("model.")])
+    opt.init(draft.trainable_parameters())
+    opt.state = tree_unflatten([(k[4:], v) for k, v in saved.items() if k.startswith("opt.")])
+    step = int(json.loads((ckpt_dir / "checkpoint.json").read_text())["step"])
+    say(f"resuming training at step {step}/{steps}")
+    return step
+
+
+def _save(draft: Any, opt: optim.Optimizer, ckpt_dir: Path, step: int, steps: int) -> None:
+    arrays = {f"model.{k}": v for k, v in tree_flatten(draft.parameters())}
+    arrays.update({f"opt.{k}": v for k, v in tree_flatten(opt.state)})
+    save_atomic(ckpt_dir / "checkpoint.safetensors", arrays)
+    (ckpt_dir / "checkpoint.json").write_text(json.dumps({"step": step, "steps": steps}))
 
 
 def start_draft(
