@@ -35,7 +35,10 @@ log = logging.getLogger("macspec.cpu")
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
-SOURCES = (SOURCE, *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention", "block")))
+SOURCES = (
+    SOURCE,
+    *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("qlinear", "layer", "attention", "block")),
+)
 HEADERS = tuple(SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16"))
 MODULE = "_macspec_cpu"
 
