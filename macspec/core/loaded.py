@@ -9,7 +9,7 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from .drafters import Drafter
+from .drafters.base import Drafter
 from .loop import Timing
 
 

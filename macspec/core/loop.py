@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import memory
 from .caches import Hit, PromptCache
-from .drafters import DistFn, Drafter
+from .drafters.base import DistFn, Drafter
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions
 from .target import Target

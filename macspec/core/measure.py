@@ -13,7 +13,8 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from .caches import PromptCache
-from .drafters import Drafter, HybridDrafter, Proposal
+from .drafters.base import Drafter, Proposal
+from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
 from .loop import Round, generate_rounds
 from .policy import Costs

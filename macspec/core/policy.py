@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import ClassVar, Protocol
 
-from .drafters import COPY_PRIORS
+from .drafters.ngram import COPY_PRIORS
 from .tree import Tree, TreeShape
 
 # A drafter's grade of its next proposal, from the context alone (the n-gram match length);

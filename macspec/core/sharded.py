@@ -34,7 +34,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .. import switches
 from ..errors import MacspecError, ModelError
-from .drafters import Drafter
+from .drafters.base import Drafter
 from .loaded import LoadedPair
 from .loop import Round
 from .target import Target

@@ -33,7 +33,7 @@ from .sampling import sample
 from .target import Target
 
 if TYPE_CHECKING:  # (the drafters import this module)
-    from .drafters import DistFn, Drafter
+    from .drafters.base import DistFn, Drafter
 
 
 @dataclass

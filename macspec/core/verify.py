@@ -13,7 +13,7 @@ from time import perf_counter
 import mlx.core as mx
 
 from . import hooks
-from .drafters import DistFn, Drafter
+from .drafters.base import DistFn, Drafter
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 from .target import Target
 

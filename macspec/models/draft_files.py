@@ -79,4 +79,4 @@ def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], EagleDrafter]:
     """The factory macspec.load uses for a draft.json of kind "eagle": a fresh drafter per
     generation, sharing the weights and the target's embedding and head."""
     draft, vocab_ids, _ = read_draft_for(path, pair.target)
-    return factory(draft, vocab_ids, pair)
+    return factory(draft, vocab_ids, pair.target, pair.vocab_size, pair.kernels)

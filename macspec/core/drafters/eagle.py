@@ -16,7 +16,7 @@ place of the target's feature; after verification the target's real features rep
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,9 +30,6 @@ from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from .base import DistFn, Proposal
-
-if TYPE_CHECKING:  # (loaded.py imports the drafters)
-    from ..loaded import LoadedPair
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early: a doubtful token is rarely accepted and every later one depends on it.
@@ -360,17 +357,17 @@ class EagleDrafter:
 
 
 def factory(
-    draft: EagleDraft, vocab_ids: mx.array, pair: LoadedPair
+    draft: EagleDraft, vocab_ids: mx.array, target: nn.Module, vocab_size: int, accelerate: bool
 ) -> Callable[[bool], EagleDrafter]:
     """A fresh drafter per generation over `draft` (its weights, the target's embedding and head
-    shared), proposing the ids of `vocab_ids` the pair can produce; the draft's layers are
-    accelerated as the target's are (pair.kernels)."""
-    if pair.kernels:
+    shared), proposing the ids of `vocab_ids` below `vocab_size` (those the pair can produce);
+    with `accelerate`, the draft's layers are switched as the target's are (hooks.py)."""
+    if accelerate:
         hooks.accelerate_layers(draft, draft.blocks)  # as the target's layers, and its products
-    vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < pair.vocab_size], dtype=mx.int32)
-    parts = TargetParts(pair.target, vocab_ids, native=pair.kernels)
+    vocab_ids = mx.array([i for i in vocab_ids.tolist() if i < vocab_size], dtype=mx.int32)
+    parts = TargetParts(target, vocab_ids, native=accelerate)
 
     def make(adaptive: bool = True) -> EagleDrafter:
-        return EagleDrafter(draft, parts, pair.vocab_size, STOP_BELOW if adaptive else 0.0)
+        return EagleDrafter(draft, parts, vocab_size, STOP_BELOW if adaptive else 0.0)
 
     return make
