@@ -8,12 +8,17 @@ applied here, to both models, identically.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..errors import OptionError
 from . import hooks
+
+# probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
+# distribution of a generation (verify.make_dist; `columns` when the logits cover only some ids).
+DistFn = Callable[..., mx.array]
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,11 +29,8 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError
 from . import caches, hooks
-from .sampling import sample
+from .sampling import DistFn, sample
 from .target import Target
-
-if TYPE_CHECKING:  # (the drafters import this module)
-    from .drafters.base import DistFn, Drafter
 
 
 @dataclass
@@ -258,8 +255,22 @@ def row_distributions(dist: DistFn, logits: mx.array, tree: Tree) -> mx.array:
     return mx.concatenate(rows)
 
 
+class TreeDrafter(Protocol):
+    """What a drafter adds to draft trees (a draft model and the EAGLE draft do)."""
+
+    def propose_tree(self, shape: TreeShape) -> Tree: ...
+
+    def commit_tree(
+        self, t: Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
+        """After verification: the accepted nodes, then `emitted` (their ids and the target's
+        token) extend the context; `hidden`: the target's hidden states at the kept rows."""
+
+    def abort(self, k: int) -> None: ...
+
+
 def tree_round(
-    target: Target, drafter: Drafter, last: int, shape: TreeShape, dist: DistFn, key: mx.array
+    target: Target, drafter: TreeDrafter, last: int, shape: TreeShape, dist: DistFn, key: mx.array
 ) -> tuple[Tree, list[int], int, float, float]:
     """Draft a tree, verify it in one target pass, walk it. Returns (tree, accepted nodes, the
     target's token, draft seconds, verify seconds). Both caches end holding exactly the

@@ -6,15 +6,12 @@ drafter returns q = None (a point mass), which the acceptance rule handles as a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 
-# probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
-# distribution (verify.make_dist; `columns` when the logits cover only some ids).
-DistFn = Callable[..., mx.array]
+from ..sampling import DistFn
 
 
 @dataclass
