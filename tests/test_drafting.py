@@ -9,7 +9,8 @@ from test_exactness import DEPTH, PROMPT, N, resample_from_p
 from tinymodels import make_tiny_model
 
 import macspec
-import macspec.core.target as engine
+import macspec.core.target as target_module
+import macspec.core.verify as verify
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
 from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
 from macspec.kept_costs import calibrate
@@ -114,7 +115,7 @@ def test_ngram_distribution_matches_target(small_ngram, options):
 
 
 def test_ngram_distribution_test_detects_a_broken_rule(small_ngram, monkeypatch):
-    monkeypatch.setattr(engine, "accept", resample_from_p)
+    monkeypatch.setattr(verify, "accept", resample_from_p)
     expected = exact_joint(small_ngram, PROMPT, DEPTH, temperature=1.0)
     # Fixed K, as the test above: every round copies, whatever the policy would choose.
     counts = sample_prefixes(
@@ -243,13 +244,13 @@ def test_calibration_measures_positive_costs(roomy_pair):
 def prefilled(monkeypatch):
     """The prompt length of every target start from now on (0: restored from a prompt cache)."""
     seen = []
-    real = engine.Target.start
+    real = target_module.Target.start
 
     def start(self, prompt, max_step=1, cache=None):
         seen.append(len(prompt) if cache is None else 0)
         return real(self, prompt, max_step, cache)
 
-    monkeypatch.setattr(engine.Target, "start", start)
+    monkeypatch.setattr(target_module.Target, "start", start)
     return seen
 
 
