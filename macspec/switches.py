@@ -212,8 +212,9 @@ def settings(env: Mapping[str, str] | None = None) -> list[Setting]:
     return out
 
 
-def unknown(env: Mapping[str, str] | None = None) -> list[str]:
-    """MACSPEC_* variables set here that no switch reads (a misspelt name does nothing)."""
+def unknown(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """MACSPEC_* variables set here that no switch reads (a misspelt name does nothing), with
+    their values."""
     env = os.environ if env is None else env
     known = {s.name for s in ALL}
-    return sorted(k for k in env if k.startswith("MACSPEC_") and k not in known)
+    return {k: env[k] for k in sorted(env) if k.startswith("MACSPEC_") and k not in known}

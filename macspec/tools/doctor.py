@@ -83,8 +83,8 @@ def switch_report() -> list[dict[str, Any]]:
         for s in switches.settings()
     ]
     return rows + [
-        {"name": n, "set": os.environ[n], "value": None, "error": "no switch has this name"}
-        for n in switches.unknown()
+        {"name": n, "set": text, "value": None, "error": "no switch has this name"}
+        for n, text in switches.unknown().items()
     ]
 
 
