@@ -211,7 +211,7 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{v['bandwidth_gbs']} GB/s; products {v['native']}"
             )
     for row in report.get("switches", []):
-        shown = "(unset)" if row["set"] is None else f"={row['set']}"
+        shown = " (unset)" if row["set"] is None else f"={row['set']}"
         value = f"refused: {row['error']}" if row["error"] else row["value"]
         read = " (read at import)" if row.get("read") == "at import" else ""
         lines.append(f"switch         {row['name']}{shown} -> {value}{read}")
