@@ -116,7 +116,7 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     from macspec.cpu import native
 
     source, active, reason = got["native"]
-    assert Path(source) == package / "engine" / "csrc" / "cpu_linear.cpp"
+    assert Path(source) == package / "cpu" / "csrc" / "cpu_linear.cpp"
     assert active == (native.load() is not None), reason
 
     pairs = _run([venv / "bin" / "macspec", "models", "--pairs", "--json"], env=env, cwd=venv)
