@@ -1,9 +1,9 @@
-"""Regenerate the README's benchmark results from a `macspec bench` JSON run.
+"""Regenerate the benchmark page's results from a `macspec bench` JSON run.
 
-    python scripts/bench_readme.py runs/X/bench.json [runs/Y/bench.json ...] [--readme README.md]
-        [--charts DIR]
+    python scripts/bench_readme.py runs/X/bench.json [runs/Y/bench.json ...]
+        [--readme docs/benchmarks.md] [--charts DIR]
 
-Replaces the text between `<!-- bench:results -->` and `<!-- /bench:results -->` in the README,
+Replaces the text between `<!-- bench:results -->` and `<!-- /bench:results -->` in the page,
 and copies the first run's charts into `--charts` (linked from the results) when given. Further
 runs (e.g. with a model draft that mlx-lm can run, for the side-by-side with its speculative
 decoding) follow, each with its own table and only the mlx-lm comparison among the goals.
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "json", type=Path, nargs="+", help="bench.json files written by `macspec bench`"
     )
-    ap.add_argument("--readme", type=Path, default=Path("README.md"))
+    ap.add_argument("--readme", type=Path, default=Path("docs/benchmarks.md"))
     ap.add_argument("--charts", type=Path, help="copy the run's PNG charts here and link them")
     args = ap.parse_args(argv)
     try:
