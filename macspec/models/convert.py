@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConvertError, OptionError
+from ..errors import ConvertError, ModelError, OptionError
+from . import mtp as mtp_heads
 from .store import INFO_FILE, staging, store_root, validate_name, weights_summary
 
 Q_CHOICES = ("4", "8", "none", "keep")
+MTP_CHOICES = ("auto", "require", "drop")  # keep MTP heads if present / must / never
 DTYPES = ("float16", "bfloat16", "float32")
 GROUP_SIZES = (32, 64, 128)
 # Only what an MLX model needs: never pickles (*.bin, *.pth), code (*.py) or other formats.
@@ -181,9 +183,13 @@ def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, em
     return model, config
 
 
-def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict) -> None:
+def _write(
+    model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict, heads: Any = None
+) -> None:
     from mlx_lm.utils import save_config, save_model
 
+    if heads:
+        mtp_heads.write(out, *heads)
     save_model(out, model, donate_model=True)
     save_config(config, config_path=out / "config.json")
     tokenizer.save_pretrained(str(out))
@@ -220,6 +226,73 @@ def _backend_dtype(kind: str, src: Path) -> str | None:
     return choose_weight_format(count, backend="cpu").dtype
 
 
+def _model_classes(layout: Any, config: dict):
+    """mlx-lm's classes for `config`, with the checkpoint's MTP tensors removed before mlx-lm's
+    own sanitize (which drops them for released checkpoints anyway; on other layer counts its
+    rule can miss them, e.g. deepseek_v3 drops layer 61 by number)."""
+    from mlx_lm.utils import _get_classes
+
+    if layout is None:
+        return _get_classes
+    from .mtp_extract import owns
+
+    layers = mtp_heads.text_config(config)["num_hidden_layers"]
+
+    def get(config: dict):
+        model_cls, args_cls = _get_classes(config)
+
+        class WithoutMtp(model_cls):
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items() if not owns(layout, k, layers)}
+                own = getattr(super(), "sanitize", None)
+                return own(weights) if own else weights
+
+        WithoutMtp.__name__ = WithoutMtp.__qualname__ = model_cls.__name__
+        return WithoutMtp, args_cls
+
+    return get
+
+
+def _find_heads(kind: str, src: Path, config: dict, model: Any, mode: str) -> Any:
+    """The source's MTP heads (mtp_extract.Found) or None, as `mode` asks."""
+    from .mtp_extract import Missing, find
+
+    if mode == "drop":
+        return None
+    if kind == "gguf":
+        if mode == "require":
+            raise ModelError(f"{src}: macspec does not read MTP layers from GGUF files yet")
+        return None
+    found = find(src, config, model)
+    if isinstance(found, Missing):
+        if mode == "require":
+            raise ModelError(
+                f"{src}: the config declares {found.declared} MTP head(s) ({found.layout.name} "
+                "layout) but no *.safetensors holds their weights (re-packaged checkpoints often "
+                "drop them); convert the original checkpoint"
+            )
+        _say(f"{src}: the config declares MTP heads but the weights hold none; not kept")
+        return None
+    if found is None and mode == "require":
+        raise ModelError(
+            f"{src}: no MTP heads: architecture {config.get('model_type')!r} ships none or its "
+            f"config declares 0 (macspec keeps those of {', '.join(_mtp_types())})"
+        )
+    return found
+
+
+def _mtp_types() -> list[str]:
+    return [t for layout in mtp_heads.LAYOUTS for t in layout.model_types]
+
+
+def _heads(found: Any, model: Any, config: dict, q: str, group: int, dtype: str, e8: bool):
+    """(MtpConfig, heads) to write beside the converted model, quantized as it is."""
+    from .mtp_extract import build
+
+    quant = {"group_size": group, "bits": int(q), "mode": "affine"} if q in ("4", "8") else None
+    return build(found, model, config, dtype, quant, embed_8bit=e8, source=str(found.source))
+
+
 def convert(
     source: str,
     output: str | None = None,
@@ -229,6 +302,7 @@ def convert(
     force: bool = False,
     embed_8bit: bool = False,
     revision: str | None = None,
+    mtp: str = "auto",
 ) -> Path:
     """Convert `source` into the store as `output` (default: derived from the source name).
 
@@ -246,6 +320,8 @@ def convert(
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if group_size not in GROUP_SIZES:
         raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
+    if mtp not in MTP_CHOICES:
+        raise OptionError(f"mtp must be one of {', '.join(MTP_CHOICES)}, not {mtp!r}")
     kind, src = _source_kind(source)
     name = validate_name(output) if output else None  # a bad name fails before any download
     if name is not None and (store_root() / name).exists() and not force:
@@ -271,14 +347,17 @@ def convert(
         config = check_safe(model_src)
         chosen = dtype or config.get("torch_dtype") or config.get("dtype")
         chosen = chosen if chosen in DTYPES else "float16"
+        classes = _model_classes(mtp_heads.layout_for(config), config)
         try:
-            model, config = load_model(model_src, lazy=True)
+            model, config = load_model(model_src, lazy=True, get_model_classes=classes)
         except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
             raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
+        found = _find_heads(kind, model_src, config, model, mtp)
         try:
             tokenizer = load_tokenizer(model_src)
         except Exception as e:  # transformers raises many types for a missing/broken tokenizer
             raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
+        heads = found and _heads(found, model, config, q, group_size, chosen, embed_8bit)
         model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
         info = {
             "source": str(source) if kind == "hub" else str(src),
@@ -288,9 +367,10 @@ def convert(
             "dtype": chosen,
             "embed_8bit": embed_8bit,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "mtp": heads[0].describe() if heads else None,
         }
         try:
-            _write(model, tokenizer, config, model_src, tmp, info)
+            _write(model, tokenizer, config, model_src, tmp, info, heads)
         except (ValueError, RuntimeError, OSError) as e:
             raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
         del model
@@ -338,5 +418,17 @@ def register(subparsers: Any) -> None:
         help="with -q 4: keep embeddings and the output head at 8 bits",
     )
     p.add_argument("--revision", help="HF branch, tag or commit")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--mtp",
+        dest="mtp",
+        action="store_const",
+        const="require",
+        default="auto",
+        help="require the source's multi-token-prediction heads (kept by default when present)",
+    )
+    group.add_argument(
+        "--no-mtp", dest="mtp", action="store_const", const="drop", help="do not keep MTP heads"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing store entry")
     p.set_defaults(func=_run)
