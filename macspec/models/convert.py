@@ -183,13 +183,9 @@ def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, em
     return model, config
 
 
-def _write(
-    model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict, heads: Any = None
-) -> None:
+def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info: dict) -> None:
     from mlx_lm.utils import save_config, save_model
 
-    if heads:
-        mtp_heads.write(out, *heads)
     save_model(out, model, donate_model=True)
     save_config(config, config_path=out / "config.json")
     tokenizer.save_pretrained(str(out))
@@ -370,7 +366,9 @@ def convert(
             "mtp": heads[0].describe() if heads else None,
         }
         try:
-            _write(model, tokenizer, config, model_src, tmp, info, heads)
+            if heads:
+                mtp_heads.write(tmp, *heads)  # beside the model, as models/mtp.py reads them
+            _write(model, tokenizer, config, model_src, tmp, info)
         except (ValueError, RuntimeError, OSError) as e:
             raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
         del model

@@ -336,8 +336,8 @@ def load(path: str | Path) -> Eagle3Checkpoint:
     raw = _weights(path)
     config = _config(path, fmt, raw)
     weights = _internal(fmt, raw, path)
-    _check_arrays(config, weights, path)
     ids = _vocab_map(config, raw, path)
+    _check_arrays(config, weights, path)
     log.info("read a %s-format EAGLE-3 draft from %s", fmt, path)
     return Eagle3Checkpoint(config, weights, ids, path)
 

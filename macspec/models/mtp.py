@@ -214,6 +214,14 @@ class MtpHead(nn.Module):
     def normed(self, out: mx.array) -> mx.array:
         return self.out_norm(out)
 
+    @staticmethod
+    def make_mask(x: mx.array, cache: Any = None) -> Any:
+        """The block's attention mask for x (B, T, H) after `cache`: always an array, since some
+        layer classes (DeepSeek's MLA attention) take no "causal" shorthand."""
+        from mlx_lm.models.base import create_attention_mask
+
+        return create_attention_mask(x, cache, return_array=True)
+
 
 def build_heads(model: nn.Module, cfg: MtpConfig) -> list[MtpHead]:
     """Empty heads shaped by the target (weights loaded by read_heads)."""

@@ -421,6 +421,8 @@ def build(
                 choice = {"group_size": quant["group_size"], "bits": 8, "mode": "affine"}
             else:
                 choice = own(_as_target(part, trunk), module) if own else True
+            if isinstance(choice, dict) and module.weight.shape[-1] % choice["group_size"]:
+                return False
             if isinstance(choice, dict):
                 per_module[path] = choice
             return choice
