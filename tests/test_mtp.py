@@ -323,3 +323,80 @@ def test_check_says_the_target_carries_heads(sources, tmp_path, capsys):
     assert "the target carries 1 MTP head (qwen3_next layout)" in report.format()
     plain = make_tiny_model(tmp_path / "plain", seed=1)
     assert compat.check(plain, plain).mtp == {}
+
+
+# The fusion tensors of head 0 as the reference code names and shapes them (H = 32, V = 72):
+# vLLM deepseek_mtp.py@03356f8c / glm4_moe_mtp.py@028aedf6, qwen3_next_mtp.py@055e47c2 /
+# qwen3_5_mtp.py@01d99805, mimo_mtp.py@0bb55d60; the count field each reads from the config.
+PUBLISHED = {
+    "deepseek_v3": (
+        "num_nextn_predict_layers",
+        {
+            "model.layers.2.enorm.weight": [32],
+            "model.layers.2.hnorm.weight": [32],
+            "model.layers.2.eh_proj.weight": [32, 64],
+            "model.layers.2.shared_head.norm.weight": [32],
+            "model.layers.2.shared_head.head.weight": [72, 32],
+            "model.layers.2.embed_tokens.weight": [72, 32],
+            "model.layers.2.self_attn.kv_b_proj.weight": [64, 16],
+            "model.layers.2.mlp.experts.3.down_proj.weight": [32, 32],
+            "model.layers.2.mlp.gate.e_score_correction_bias": [4],
+        },
+    ),
+    "glm4_moe": (
+        "num_nextn_predict_layers",
+        {
+            "model.layers.2.eh_proj.weight": [32, 64],
+            "model.layers.2.shared_head.head.weight": [72, 32],
+            "model.layers.2.mlp.experts.0.gate_proj.weight": [32, 32],
+            "model.layers.2.self_attn.q_norm.weight": [8],
+        },
+    ),
+    "qwen3_next": (
+        "num_nextn_predict_layers",
+        {
+            "mtp.fc.weight": [32, 64],
+            "mtp.pre_fc_norm_embedding.weight": [32],
+            "mtp.pre_fc_norm_hidden.weight": [32],
+            "mtp.norm.weight": [32],
+            "mtp.layers.0.self_attn.q_proj.weight": [64, 32],
+            "mtp.layers.1.mlp.experts.3.up_proj.weight": [32, 32],
+            "mtp.layers.0.mlp.shared_expert_gate.weight": [1, 32],
+        },
+    ),
+    "qwen3_5": (
+        "mtp_num_hidden_layers",
+        {
+            "mtp.fc.weight": [32, 64],
+            "mtp.norm.weight": [32],
+            "mtp.layers.0.self_attn.q_norm.weight": [8],
+            "mtp.layers.0.mlp.down_proj.weight": [32, 64],
+        },
+    ),
+    "mimo": (
+        "num_nextn_predict_layers",
+        {
+            "model.mtp_layers.0.token_layernorm.weight": [32],
+            "model.mtp_layers.0.hidden_layernorm.weight": [32],
+            "model.mtp_layers.0.input_proj.weight": [32, 64],
+            "model.mtp_layers.1.final_layernorm.weight": [32],
+            "model.mtp_layers.0.self_attn.q_proj.bias": [32],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("arch", list(PUBLISHED))
+def test_the_tiny_checkpoints_hold_the_published_names_and_shapes(sources, arch):
+    from macspec.models.mtp_extract import index
+
+    count_key, keys = PUBLISHED[arch]
+    config = json.loads((sources[arch] / "config.json").read_text())
+    assert mtp.text_config(config)[count_key] == COUNTS[arch]
+    held = index(sources[arch])
+    for key, shape in keys.items():
+        assert held[key][1] == shape, key
+    # and the trunk in its published form: raw conv1d kernels, zero-centred gains
+    if arch in ZERO_CENTRED:
+        conv = next(s for k, (_, s) in held.items() if k.endswith("conv1d.weight"))
+        assert conv[1] == 1 and conv[2] == 4
