@@ -13,6 +13,8 @@
                             final_layernorm} + a Qwen2 layer (vLLM mimo_mtp.py@0bb55d60)
   Trunk layers are written in the form mlx-lm's sanitize reads (experts unstacked, DeepSeek's
   kv_b_proj whole, Qwen norms as w - 1): `hf_weights` inverts mlx-lm's own transforms.
+- GGUF: `glm4moe_gguf` writes such a GLM-4.5 checkpoint as llama.cpp's converter does, its MTP
+  layers as blk.{L+i}.* + blk.{L+i}.nextn.* (conversion/glm.py@051139f5, gguf-py 0.19 names).
 - EAGLE-3: a tiny llama target and drafts for it in the three published formats (the EAGLE
   authors' cnets.py@bfeb532e / traineagle3 config, SpecForge llama3_eagle.py@d5f0c242 +
   configs/*-eagle3.json, speculators eagle3 config.py / converter@c05b95b3).
@@ -67,12 +69,14 @@ MIMO_CONFIG = {
 }
 
 
-def mtp_config(arch: str, count: int) -> dict:
-    """The HF config.json of a tiny `arch` target declaring `count` MTP heads."""
+def mtp_config(arch: str, count: int, **over: Any) -> dict:
+    """The HF config.json of a tiny `arch` target declaring `count` MTP heads (`over`: other
+    values for its language model's config)."""
     spec = MTP_ARCHS[arch]
     config = json.loads(json.dumps(ZOO[spec["zoo"]].config if spec["zoo"] else MIMO_CONFIG))
     where = config["text_config"] if "text_config" in config else config
     where[spec["count_key"]] = count
+    where.update(over)
     return config
 
 
@@ -185,21 +189,22 @@ def mtp_head_weights(arch: str, model: Any, config: dict, i: int, seed: int) -> 
     }
 
 
-def mtp_trunk(arch: str, count: int = 1, seed: int = 0) -> Any:
+def mtp_trunk(arch: str, count: int = 1, seed: int = 0, **over: Any) -> Any:
     """The in-memory mlx-lm model whose trunk make_mtp_checkpoint writes (same seed)."""
     zoo = MTP_ARCHS[arch]["zoo"]
     scale = None if zoo else {"gain": 2.5}
-    return build_model(zoo or "llama", seed=seed, config=mtp_config(arch, count), scale=scale)
+    config = mtp_config(arch, count, **over)
+    return build_model(zoo or "llama", seed=seed, config=config, scale=scale)
 
 
 def make_mtp_checkpoint(
-    path: str | Path, arch: str, *, count: int = 1, seed: int = 0, shards: int = 2
+    path: str | Path, arch: str, *, count: int = 1, seed: int = 0, shards: int = 2, **over: Any
 ) -> Path:
     """A tiny `arch` target with `count` MTP heads as a Hugging Face checkpoint directory:
     config.json, model-0000k-of-0000n.safetensors (+ index), the character tokenizer."""
     path = Path(path)
-    config = mtp_config(arch, count)
-    model = mtp_trunk(arch, count, seed)
+    config = mtp_config(arch, count, **over)
+    model = mtp_trunk(arch, count, seed, **over)
     text = config.get("text_config") or config
     weights = hf_weights(arch, dict(tree_flatten(model.parameters())), text)
     for i in range(count):
@@ -356,3 +361,90 @@ def make_eagle3_draft(
     mx.save_safetensors(str(path / "model.safetensors"), arrays, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+# ------------------------------------------------------------------ GGUF with nextn layers
+
+
+def glm4moe_gguf(
+    src: Path, out: Path, *, drop_heads: bool = False, drop: str | None = None
+) -> Path:
+    """Write the glm4_moe checkpoint in `src` as llama.cpp's converter does (conversion/glm.py
+    @051139f5 Glm4MoeModel: block_count = layers + nextn_predict_layers, experts merged into
+    ffn_*_exps, the MTP layers as blk.{L+i}.* with blk.{L+i}.nextn.*; names through gguf-py's
+    map, as the converter's own map_tensor_name). `drop_heads` writes the trunk alone (what
+    `--no-mtp` writes); `drop` leaves out one GGUF tensor."""
+    import gguf
+    from gguf_helpers import tokenizer_metadata
+
+    config = json.loads((src / "config.json").read_text())
+    layers, heads = config["num_hidden_layers"], config["num_nextn_predict_layers"]
+    heads = 0 if drop_heads else heads
+    weights = {}
+    for f in sorted(src.glob("*.safetensors")):
+        weights.update({k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + heads)
+    w = gguf.GGUFWriter(str(out), "glm4moe")
+    hd = config["head_dim"]
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_block_count(layers + heads)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_rope_dimension_count(int(hd * config["partial_rotary_factor"]))
+    w.add_expert_count(config["n_routed_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_expert_shared_count(config["n_shared_experts"])
+    w.add_leading_dense_block_count(config["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(config["routed_scaling_factor"])
+    w.add_expert_weights_norm(config["norm_topk_prob"])
+    if heads:
+        w.add_nextn_predict_layers(heads)
+    meta = tokenizer_metadata(src)
+    # The character vocabulary has no merges, which a GGUF BPE needs: its last token becomes
+    # "ab", made by one merge (the tokenizer is not what these files test).
+    meta["tokenizer.ggml.tokens"][-1] = "ab"
+    meta["tokenizer.ggml.merges"] = ["a b"]
+    for key, value in meta.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, value)
+    merged: dict[str, dict[int, np.ndarray]] = {}
+    for k, v in sorted(weights.items()):
+        parts = k.split(".")
+        if k.startswith("model.layers.") and int(parts[2]) >= layers + heads:
+            continue
+        if ".experts." in k:  # the converter merges experts: (E, out, in) per projection
+            base, rest = k.split(".experts.")
+            e, proj = rest.split(".", 1)
+            merged.setdefault(f"{base}.experts.{proj}", {})[int(e)] = v
+            continue
+        if k.endswith("e_score_correction_bias"):
+            k = k.replace("e_score_correction_bias", "e_score_correction.bias")
+        _add_tensor(w, names, k, v, drop)
+    for k, by_e in merged.items():
+        _add_tensor(w, names, k, np.stack([by_e[e] for e in sorted(by_e)]), drop)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _add_tensor(w: Any, names: Any, key: str, value: np.ndarray, drop: str | None) -> None:
+    gname = names.get_name(key, try_suffixes=(".weight", ".bias"))
+    assert gname is not None, key
+    if gname != drop:
+        w.add_tensor(gname, value.astype(np.float32))

@@ -249,29 +249,26 @@ def _model_classes(layout: Any, config: dict):
     return get
 
 
-def _find_heads(kind: str, src: Path, config: dict, model: Any, mode: str) -> Any:
-    """The source's MTP heads (mtp_extract.Found) or None, as `mode` asks."""
+def _find_heads(src: Path, config: dict, model: Any, mode: str, shown: Any) -> Any:
+    """The MTP heads (mtp_extract.Found) of the checkpoint in `src` (a GGUF's decoded directory
+    too), or None, as `mode` asks; `shown` names the source in messages."""
     from .mtp_extract import Missing, find
 
     if mode == "drop":
-        return None
-    if kind == "gguf":
-        if mode == "require":
-            raise ModelError(f"{src}: macspec does not read MTP layers from GGUF files yet")
         return None
     found = find(src, config, model)
     if isinstance(found, Missing):
         if mode == "require":
             raise ModelError(
-                f"{src}: the config declares {found.declared} MTP head(s) ({found.layout.name} "
+                f"{shown}: the config declares {found.declared} MTP head(s) ({found.layout.name} "
                 "layout) but no *.safetensors holds their weights (re-packaged checkpoints often "
                 "drop them); convert the original checkpoint"
             )
-        _say(f"{src}: the config declares MTP heads but the weights hold none; not kept")
+        _say(f"{shown}: the config declares MTP heads but the weights hold none; not kept")
         return None
     if found is None and mode == "require":
         raise ModelError(
-            f"{src}: no MTP heads: architecture {config.get('model_type')!r} ships none or its "
+            f"{shown}: no MTP heads: architecture {config.get('model_type')!r} ships none or its "
             f"config declares 0 (macspec keeps those of {', '.join(_mtp_types())})"
         )
     return found
@@ -281,12 +278,15 @@ def _mtp_types() -> list[str]:
     return [t for layout in mtp_heads.LAYOUTS for t in layout.model_types]
 
 
-def _heads(found: Any, model: Any, config: dict, q: str, group: int, dtype: str, e8: bool):
-    """(MtpConfig, heads) to write beside the converted model, quantized as it is."""
+def _heads(found: Any, model: Any, config: dict, opts: dict, source: Path):
+    """(MtpConfig, heads) to write beside the converted model, quantized as it is; `opts`: q,
+    group_size, dtype, embed_8bit as convert was asked."""
     from .mtp_extract import build
 
+    q, group = opts["q"], opts["group_size"]
     quant = {"group_size": group, "bits": int(q), "mode": "affine"} if q in ("4", "8") else None
-    return build(found, model, config, dtype, quant, embed_8bit=e8, source=str(found.source))
+    e8 = opts["embed_8bit"]
+    return build(found, model, config, opts["dtype"], quant, embed_8bit=e8, source=str(source))
 
 
 def convert(
@@ -348,12 +348,13 @@ def convert(
             model, config = load_model(model_src, lazy=True, get_model_classes=classes)
         except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
             raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
-        found = _find_heads(kind, model_src, config, model, mtp)
+        found = _find_heads(model_src, config, model, mtp, src)
         try:
             tokenizer = load_tokenizer(model_src)
         except Exception as e:  # transformers raises many types for a missing/broken tokenizer
             raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
-        heads = found and _heads(found, model, config, q, group_size, chosen, embed_8bit)
+        opts = {"q": q, "group_size": group_size, "dtype": chosen, "embed_8bit": embed_8bit}
+        heads = found and _heads(found, model, config, opts, source if kind == "hub" else src)
         model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
         info = {
             "source": str(source) if kind == "hub" else str(src),
