@@ -375,6 +375,7 @@ def glm4moe_gguf(
     map, as the converter's own map_tensor_name). `drop_heads` writes the trunk alone (what
     `--no-mtp` writes); `drop` leaves out one GGUF tensor."""
     import gguf
+    from gguf_arch_helpers import _add, _metadata
     from gguf_helpers import tokenizer_metadata
 
     config = json.loads((src / "config.json").read_text())
@@ -385,26 +386,7 @@ def glm4moe_gguf(
         weights.update({k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(f)).items()})
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers + heads)
     w = gguf.GGUFWriter(str(out), "glm4moe")
-    hd = config["head_dim"]
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_block_count(layers + heads)
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(hd)
-    w.add_value_length(hd)
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_rope_dimension_count(int(hd * config["partial_rotary_factor"]))
-    w.add_expert_count(config["n_routed_experts"])
-    w.add_expert_used_count(config["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    w.add_expert_shared_count(config["n_shared_experts"])
-    w.add_leading_dense_block_count(config["first_k_dense_replace"])
-    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    w.add_expert_weights_scale(config["routed_scaling_factor"])
-    w.add_expert_weights_norm(config["norm_topk_prob"])
+    _metadata(w, "glm4moe", {**config, "num_hidden_layers": layers + heads})
     if heads:
         w.add_nextn_predict_layers(heads)
     meta = tokenizer_metadata(src)
@@ -413,14 +395,7 @@ def glm4moe_gguf(
     meta["tokenizer.ggml.tokens"][-1] = "ab"
     meta["tokenizer.ggml.merges"] = ["a b"]
     for key, value in meta.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
+        _add(w, key, value)
     merged: dict[str, dict[int, np.ndarray]] = {}
     for k, v in sorted(weights.items()):
         parts = k.split(".")
