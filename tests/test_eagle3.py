@@ -189,3 +189,24 @@ def test_export_refuses_what_a_format_cannot_hold(tmp_path, target):
         export(ckpt, tmp_path / "d", "speculators")
     with pytest.raises(ModelError, match="unknown EAGLE-3 format 'medusa'"):
         export(ckpt, tmp_path / "x", "medusa")
+
+
+# ------------------------------------------------------------------ the store
+
+
+def test_convert_stores_a_draft_as_it_is(tmp_path, target, monkeypatch):
+    from macspec.models.convert import convert
+    from macspec.models.store import resolve_model, store_root
+
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    src = _draft(tmp_path, target, "specforge", edit=lambda c, a: c.update(fc_norm=False))
+    out = convert(str(src), output="sf-draft", dtype="float32")
+    assert resolve_model("sf-draft") == out
+    back, ckpt = eagle3.load(out), eagle3.load(src)
+    assert back.config == ckpt.config and np.array_equal(back.d2t, ckpt.d2t)
+    assert all(mx.array_equal(back.weights[k], v).item() for k, v in ckpt.weights.items())
+    assert json.loads((out / "macspec.json").read_text())["format"] == "specforge"
+    bad = _draft(tmp_path, target, "eagle", "bad", edit=_edit_d2t(lambda d: d.__setitem__(0, -1)))
+    with pytest.raises(ModelError, match="d2t maps draft id 0 to target id -1"):
+        convert(str(bad), output="bad")
+    assert sorted(p.name for p in store_root().iterdir()) == ["sf-draft"]

@@ -330,6 +330,14 @@ def convert(
     dest = store_root() / name
     if dest.exists() and not force:
         raise ConvertError(f"{dest} already exists; pass --force to replace it")
+    from .eagle3_export import is_draft, store_draft
+
+    if kind != "gguf" and is_draft(src):  # an EAGLE-3 draft: stored as it is, checked
+        if q in ("4", "8"):
+            raise OptionError(f"{src} is an EAGLE-3 draft: macspec stores drafts unquantized")
+        dest = store_draft(src, name, dtype, force, str(source) if kind == "hub" else str(src))
+        _say(f"stored the EAGLE-3 draft {source} -> {dest}")
+        return dest
 
     from mlx_lm.utils import load_model, load_tokenizer
 

@@ -127,8 +127,6 @@ def export(
     force: bool = False,
 ) -> Path:
     """Write `ckpt` into directory `out` in format `fmt`; refuses what the format cannot hold."""
-    if fmt not in FORMATS:
-        raise ModelError(f"unknown EAGLE-3 format {fmt!r}: choose one of {', '.join(FORMATS)}")
     c = ckpt.config
     if target_name or target_architectures:
         c = replace(
@@ -136,27 +134,42 @@ def export(
             target_name=target_name or c.target_name,
             target_architectures=tuple(target_architectures) or c.target_architectures,
         )
-    lacking = [k for k, used in _features(c).items() if used and k not in SUPPORTED[fmt]]
-    if lacking:
-        raise ModelError(
-            f"the {fmt} format cannot hold a draft with {', '.join(lacking)} (its reference code "
-            f"would run another draft); choose another format"
-        )
+    ckpt = replace(ckpt, config=c)
+    check_format(c, fmt)
     out = Path(out)
     if out.exists() and not force:
         raise ModelError(f"{out} already exists; pass force=True to replace it")
-    arrays = _arrays(ckpt, c, fmt, dtype)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), arrays, metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config_json(c, fmt, dtype), indent=1))
+        write_into(ckpt, tmp, fmt, dtype)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_format(c: Eagle3Config, fmt: str) -> None:
+    """Refuse a format that cannot express what the draft does."""
+    if fmt not in FORMATS:
+        raise ModelError(f"unknown EAGLE-3 format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    lacking = [k for k, used in _features(c).items() if used and k not in SUPPORTED[fmt]]
+    if lacking:
+        raise ModelError(
+            f"the {fmt} format cannot hold a draft with {', '.join(lacking)} (its reference code "
+            f"would run another draft); choose another format"
+        )
+
+
+def write_into(ckpt: Eagle3Checkpoint, directory: Path, fmt: str, dtype: str) -> None:
+    """model.safetensors + config.json of `ckpt` in format `fmt` into an existing directory
+    (check_format first; the caller makes the write atomic)."""
+    arrays = _arrays(ckpt, ckpt.config, fmt, dtype)
+    mx.save_safetensors(str(directory / "model.safetensors"), arrays, metadata={"format": "pt"})
+    config = config_json(ckpt.config, fmt, dtype)
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def _arrays(ckpt: Eagle3Checkpoint, c: Eagle3Config, fmt: str, dtype: str) -> dict:
@@ -172,3 +185,40 @@ def _arrays(ckpt: Eagle3Checkpoint, c: Eagle3Config, fmt: str, dtype: str) -> di
         mask[ids] = True
         arrays["t2d"] = mx.array(mask)
     return arrays
+
+
+def is_draft(path: Path) -> bool:
+    """Whether a directory holds an EAGLE-3 draft in one of FORMATS (by its config.json)."""
+    from .eagle3 import detect
+
+    try:
+        detect(path)
+    except ModelError:
+        return False
+    return True
+
+
+def store_draft(src: Path, name: str, dtype: str | None, force: bool, source: str) -> Path:
+    """`macspec convert` of an EAGLE-3 draft: checked by eagle3.load, written into the store in
+    its own format (in `dtype`, default the checkpoint's), atomically like a model."""
+    import time
+
+    from .eagle3 import load
+    from .store import INFO_FILE, staging, store_root
+
+    ckpt = load(src)
+    fmt = ckpt.config.format
+    check_format(ckpt.config, fmt)
+    stored = str(ckpt.weights["fc.weight"].dtype).removeprefix("mlx.core.")
+    chosen = dtype or (stored if stored in ("float16", "bfloat16", "float32") else "float16")
+    with staging(name, force=force) as tmp:
+        write_into(ckpt, tmp, fmt, chosen)
+        info = {
+            "source": source,
+            "kind": "eagle3",
+            "format": fmt,
+            "dtype": chosen,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
+    return store_root() / name
