@@ -249,6 +249,49 @@ def _model_classes(layout: Any, config: dict):
     return get
 
 
+def _info(source: str, kind: str, opts: dict, mtp: str | None) -> dict:
+    """What macspec.json records about a converted model."""
+    q = opts["q"]
+    return {
+        "source": source,
+        "kind": kind,
+        "q": q,
+        "group_size": opts["group_size"] if q in ("4", "8") else None,
+        "dtype": opts["dtype"],
+        "embed_8bit": opts["embed_8bit"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mtp": mtp,
+    }
+
+
+def _load_model(src: Path, config: dict) -> tuple[Any, dict]:
+    """mlx-lm's lazy model of the checkpoint, its MTP tensors left to mtp_extract."""
+    from mlx_lm.utils import load_model
+
+    classes = _model_classes(mtp_heads.layout_for(config), config)
+    try:
+        return load_model(src, lazy=True, get_model_classes=classes)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        raise ConvertError(f"{src}: cannot load the weights ({e})") from e
+
+
+def _is_draft(src: Path) -> bool:
+    from .eagle3_export import is_draft
+
+    return is_draft(src)
+
+
+def _store_draft(src: Path, name: str, q: str, dtype: str | None, force: bool, shown: str):
+    """An EAGLE-3 draft directory into the store (models/eagle3_export.store_draft)."""
+    from .eagle3_export import store_draft
+
+    if q in ("4", "8"):
+        raise OptionError(f"{src} is an EAGLE-3 draft: macspec stores drafts unquantized")
+    dest = store_draft(src, name, dtype, force, shown)
+    _say(f"stored the EAGLE-3 draft {shown} -> {dest}")
+    return dest
+
+
 def _find_heads(src: Path, config: dict, model: Any, mode: str, shown: Any) -> Any:
     """The MTP heads (mtp_extract.Found) of the checkpoint in `src` (a GGUF's decoded directory
     too), or None, as `mode` asks; `shown` names the source in messages."""
@@ -278,7 +321,7 @@ def _mtp_types() -> list[str]:
     return [t for layout in mtp_heads.LAYOUTS for t in layout.model_types]
 
 
-def _heads(found: Any, model: Any, config: dict, opts: dict, source: Path):
+def _heads(found: Any, model: Any, config: dict, opts: dict, source: str):
     """(MtpConfig, heads) to write beside the converted model, quantized as it is; `opts`: q,
     group_size, dtype, embed_8bit as convert was asked."""
     from .mtp_extract import build
@@ -286,7 +329,7 @@ def _heads(found: Any, model: Any, config: dict, opts: dict, source: Path):
     q, group = opts["q"], opts["group_size"]
     quant = {"group_size": group, "bits": int(q), "mode": "affine"} if q in ("4", "8") else None
     e8 = opts["embed_8bit"]
-    return build(found, model, config, opts["dtype"], quant, embed_8bit=e8, source=str(source))
+    return build(found, model, config, opts["dtype"], quant, embed_8bit=e8, source=source)
 
 
 def convert(
@@ -330,16 +373,10 @@ def convert(
     dest = store_root() / name
     if dest.exists() and not force:
         raise ConvertError(f"{dest} already exists; pass --force to replace it")
-    from .eagle3_export import is_draft, store_draft
+    if kind != "gguf" and _is_draft(src):  # an EAGLE-3 draft: checked, stored as it is
+        return _store_draft(src, name, q, dtype, force, str(source) if kind == "hub" else str(src))
 
-    if kind != "gguf" and is_draft(src):  # an EAGLE-3 draft: stored as it is, checked
-        if q in ("4", "8"):
-            raise OptionError(f"{src} is an EAGLE-3 draft: macspec stores drafts unquantized")
-        dest = store_draft(src, name, dtype, force, str(source) if kind == "hub" else str(src))
-        _say(f"stored the EAGLE-3 draft {source} -> {dest}")
-        return dest
-
-    from mlx_lm.utils import load_model, load_tokenizer
+    from mlx_lm.utils import load_tokenizer
 
     start = time.perf_counter()
     with staging(name, force=force) as tmp:
@@ -351,29 +388,17 @@ def convert(
         config = check_safe(model_src)
         chosen = dtype or config.get("torch_dtype") or config.get("dtype")
         chosen = chosen if chosen in DTYPES else "float16"
-        classes = _model_classes(mtp_heads.layout_for(config), config)
-        try:
-            model, config = load_model(model_src, lazy=True, get_model_classes=classes)
-        except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-            raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
-        found = _find_heads(model_src, config, model, mtp, src)
+        shown = str(source) if kind == "hub" else str(src)
+        opts = {"q": q, "group_size": group_size, "dtype": chosen, "embed_8bit": embed_8bit}
+        model, config = _load_model(model_src, config)
+        found = _find_heads(model_src, config, model, mtp, shown)
         try:
             tokenizer = load_tokenizer(model_src)
         except Exception as e:  # transformers raises many types for a missing/broken tokenizer
             raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
-        opts = {"q": q, "group_size": group_size, "dtype": chosen, "embed_8bit": embed_8bit}
-        heads = found and _heads(found, model, config, opts, source if kind == "hub" else src)
+        heads = found and _heads(found, model, config, opts, shown)
         model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
-        info = {
-            "source": str(source) if kind == "hub" else str(src),
-            "kind": kind,
-            "q": q,
-            "group_size": group_size if q in ("4", "8") else None,
-            "dtype": chosen,
-            "embed_8bit": embed_8bit,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "mtp": heads[0].describe() if heads else None,
-        }
+        info = _info(shown, kind, opts, heads[0].describe() if heads else None)
         try:
             if heads:
                 mtp_heads.write(tmp, *heads)  # beside the model, as models/mtp.py reads them

@@ -410,26 +410,32 @@ def build(
             )
         )
     if quant:
-        own = getattr(model, "quant_predicate", None)
-        per_module = dict(quant)
-
-        def predicate(path: str, module: nn.Module) -> bool | dict:
-            if module.weight.shape[-1] % quant["group_size"]:
-                return False
-            part = path.split(".", 2)[2]
-            if embed_8bit and part.split(".")[0] in ("embed", "head"):
-                choice = {"group_size": quant["group_size"], "bits": 8, "mode": "affine"}
-            else:
-                choice = own(_as_target(part, trunk), module) if own else True
-            if isinstance(choice, dict) and module.weight.shape[-1] % choice["group_size"]:
-                return False
-            if isinstance(choice, dict):
-                per_module[path] = choice
-            return choice
-
-        quantize_heads(heads, quant, predicate=predicate)
-        cfg = replace(cfg, quantization=per_module)
+        cfg = replace(cfg, quantization=_quantize(heads, model, quant, trunk, embed_8bit))
     return cfg, heads
+
+
+def _quantize(heads: list, model: nn.Module, quant: dict, trunk: str, embed_8bit: bool) -> dict:
+    """Quantize the heads as convert quantizes the target (its own quant_predicate, asked with
+    the trunk layer's path); returns the quantization config to record (per-module choices)."""
+    own = getattr(model, "quant_predicate", None)
+    per_module = dict(quant)
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if module.weight.shape[-1] % quant["group_size"]:
+            return False
+        part = path.split(".", 2)[2]
+        if embed_8bit and part.split(".")[0] in ("embed", "head"):
+            choice = {"group_size": quant["group_size"], "bits": 8, "mode": "affine"}
+        else:
+            choice = own(_as_target(part, trunk), module) if own else True
+        if isinstance(choice, dict) and module.weight.shape[-1] % choice["group_size"]:
+            return False
+        if isinstance(choice, dict):
+            per_module[path] = choice
+        return choice
+
+    quantize_heads(heads, quant, predicate=predicate)
+    return per_module
 
 
 def _as_target(path: str, trunk: str) -> str:
