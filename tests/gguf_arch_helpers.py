@@ -98,6 +98,25 @@ CASES = {
     ),
     "olmo2": ("olmo2", {"model_type": "olmo2"}),
     "starcoder2": ("starcoder2", {"model_type": "starcoder2", "norm_epsilon": 1e-5}),
+    # GLM-4.5: sigmoid-routed experts after one dense layer, q/k/v biases, half-rotary heads
+    "glm4moe": (
+        "glm4moe",
+        {
+            "model_type": "glm4_moe",
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
+            "rope_scaling": None,
+            **MOE,
+        },
+    ),
 }
 GEMMA = {"gemma", "gemma2", "gemma3"}
 
@@ -149,8 +168,18 @@ def _metadata(w: gguf.GGUFWriter, case: str, c: dict) -> None:
         w.add_vocab_size(c["vocab_size"])
         w.add_rope_dimension_count(c["head_dim"])
     if "num_experts_per_tok" in c:
-        w.add_expert_count(c.get("num_experts") or c["num_local_experts"])
+        w.add_expert_count(
+            c.get("num_experts") or c.get("num_local_experts") or c["n_routed_experts"]
+        )
         w.add_expert_used_count(c["num_experts_per_tok"])
+    if case == "glm4moe":  # conversion/glm.py Glm4MoeModel.set_gguf_parameters
+        w.add_rope_dimension_count(int(c["head_dim"] * c["partial_rotary_factor"]))
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+        w.add_expert_shared_count(c["n_shared_experts"])
+        w.add_leading_dense_block_count(c["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(c["routed_scaling_factor"])
+        w.add_expert_weights_norm(c["norm_topk_prob"])
     if case in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if case == "qwen2moe":

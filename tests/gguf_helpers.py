@@ -96,6 +96,9 @@ LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",  # GLM-4.5 / DeepSeek name them plural
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
     "block_sparse_moe.gate": "ffn_gate_inp",
     "block_sparse_moe.switch_mlp.gate_proj": "ffn_gate_exps",
     "block_sparse_moe.switch_mlp.up_proj": "ffn_up_exps",
@@ -118,7 +121,9 @@ def gguf_name(name: str, case: str = "llama") -> str:
     if module in GLOBAL:
         return f"{GLOBAL[module]}.{suffix}"
     _, _, i, rest = module.split(".", 3)
-    table = {**LAYER, **POST_NORMS} if case in ("gemma2", "gemma3", "olmo2") else LAYER
+    if suffix == "e_score_correction_bias":  # the converter's exp_probs_b, stored as a bias
+        return f"blk.{i}.exp_probs_b.bias"
+    table = {**LAYER, **POST_NORMS} if case in ("gemma2", "gemma3", "olmo2", "glm4moe") else LAYER
     return f"blk.{i}.{table[rest]}.{suffix}"
 
 

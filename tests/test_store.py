@@ -123,7 +123,16 @@ def test_models_command(capsys, tmp_path):
     assert catalog.models() == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split() == ["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE"]
+    assert lines[0].split() == [
+        "NAME",
+        "ARCH",
+        "PARAMS",
+        "BITS",
+        "SIZE",
+        "TOKENIZER",
+        "ACCEPTANCE",
+        "MTP",
+    ]
     assert lines[1].startswith("alpha") and lines[2].startswith("beta")
     assert catalog.models(json_output=True) == 0
     rows = json.loads(capsys.readouterr().out)

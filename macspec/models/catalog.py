@@ -118,7 +118,7 @@ def models(*, pairs: bool = False, json_output: bool = False) -> int:
             "model fetches the embedded default."
         )
         return 0
-    rows = [["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE"]]
+    rows = [["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE", "MTP"]]
     for i in infos:
         rows.append(
             [
@@ -129,6 +129,7 @@ def models(*, pairs: bool = False, json_output: bool = False) -> int:
                 _human(i.size_bytes),
                 i.fingerprint,
                 i.acceptance or "",
+                i.mtp or "",
             ]
         )
     print(_table(rows))

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..core.caches import describe_kinds
 from ..errors import CompatError, ModelError
+from . import mtp
 from .store import resolve_model
 
 # Files that define a tokenizer; identical bytes on both sides mean an identical tokenizer.
@@ -74,6 +75,8 @@ class CompatReport:
     notes: list[str] = field(default_factory=list)
     # Layers per cache kind of each model (caches.kinds), when the models were read.
     caches: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The MTP heads kept beside a model (models/mtp.py), e.g. "2 MTP heads (deepseek layout)".
+    mtp: dict[str, str] = field(default_factory=dict)
 
     @property
     def compatible(self) -> bool:
@@ -122,6 +125,8 @@ class CompatReport:
         for side, found in self.caches.items():
             if not any(m.startswith(f"the {side}'s cache") for m in self.errors):
                 lines.append(f"ok       {side} caches ({describe_kinds(found)}) rewind exactly")
+        for side, heads in self.mtp.items():
+            lines.append(f"ok       the {side} carries {heads}: it can draft for itself")
         lines += [f"error    {m}" for m in self.errors]
         lines += [f"warning  {m}" for m in self.warnings]
         lines += [f"note     {m}" for m in self.notes]
@@ -331,6 +336,8 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
             report.warnings.append(f"no vocab_size in the {side}'s config.json: rows not checked")
     for side, path in (("target", target_dir), ("draft", draft_dir)):
         _check_caches(report, side, path)
+        if heads := mtp.summary(path):
+            report.mtp[side] = heads
     return report
 
 

@@ -16,11 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConvertError, OptionError
+from ..errors import ConvertError, ModelError, OptionError
 from ..logs import progress
+from . import mtp as mtp_heads
 from .store import INFO_FILE, staging, store_root, validate_name, weights_summary
 
 Q_CHOICES = ("4", "8", "none", "keep")
+MTP_CHOICES = ("auto", "require", "drop")  # keep MTP heads if present / must / never
 DTYPES = ("float16", "bfloat16", "float32")
 GROUP_SIZES = (32, 64, 128)
 # Only what an MLX model needs: never pickles (*.bin, *.pth), code (*.py) or other formats.
@@ -224,6 +226,116 @@ def _backend_dtype(kind: str, src: Path) -> str | None:
     return choose_weight_format(count, backend="cpu").dtype
 
 
+def _model_classes(layout: Any, config: dict):
+    """mlx-lm's classes for `config`, with the checkpoint's MTP tensors removed before mlx-lm's
+    own sanitize (which drops them for released checkpoints anyway; on other layer counts its
+    rule can miss them, e.g. deepseek_v3 drops layer 61 by number)."""
+    from mlx_lm.utils import _get_classes
+
+    if layout is None:
+        return _get_classes
+    from .mtp_extract import owns
+
+    layers = mtp_heads.text_config(config)["num_hidden_layers"]
+
+    def get(config: dict):
+        model_cls, args_cls = _get_classes(config)
+
+        class WithoutMtp(model_cls):
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items() if not owns(layout, k, layers)}
+                own = getattr(super(), "sanitize", None)
+                return own(weights) if own else weights
+
+        WithoutMtp.__name__ = WithoutMtp.__qualname__ = model_cls.__name__
+        return WithoutMtp, args_cls
+
+    return get
+
+
+def _info(source: str, kind: str, opts: dict, mtp: str | None) -> dict:
+    """What macspec.json records about a converted model."""
+    q = opts["q"]
+    return {
+        "source": source,
+        "kind": kind,
+        "q": q,
+        "group_size": opts["group_size"] if q in ("4", "8") else None,
+        "dtype": opts["dtype"],
+        "embed_8bit": opts["embed_8bit"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mtp": mtp,
+    }
+
+
+def _load_model(src: Path, config: dict) -> tuple[Any, dict]:
+    """mlx-lm's lazy model of the checkpoint, its MTP tensors left to mtp_extract."""
+    from mlx_lm.utils import load_model
+
+    classes = _model_classes(mtp_heads.layout_for(config), config)
+    try:
+        return load_model(src, lazy=True, get_model_classes=classes)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        raise ConvertError(f"{src}: cannot load the weights ({e})") from e
+
+
+def _is_draft(src: Path) -> bool:
+    from .eagle3_export import is_draft
+
+    return is_draft(src)
+
+
+def _store_draft(src: Path, name: str, q: str, dtype: str | None, force: bool, shown: str):
+    """An EAGLE-3 draft directory into the store (models/eagle3_export.store_draft)."""
+    from .eagle3_export import store_draft
+
+    if q in ("4", "8"):
+        raise OptionError(f"{src} is an EAGLE-3 draft: macspec stores drafts unquantized")
+    dest = store_draft(src, name, dtype, force, shown)
+    _say(f"stored the EAGLE-3 draft {shown} -> {dest}")
+    return dest
+
+
+def _find_heads(src: Path, config: dict, model: Any, mode: str, shown: Any) -> Any:
+    """The MTP heads (mtp_extract.Found) of the checkpoint in `src` (a GGUF's decoded directory
+    too), or None, as `mode` asks; `shown` names the source in messages."""
+    from .mtp_extract import Missing, find
+
+    if mode == "drop":
+        return None
+    found = find(src, config, model)
+    if isinstance(found, Missing):
+        if mode == "require":
+            raise ModelError(
+                f"{shown}: the config declares {found.declared} MTP head(s) ({found.layout.name} "
+                "layout) but no *.safetensors holds their weights (re-packaged checkpoints often "
+                "drop them); convert the original checkpoint"
+            )
+        _say(f"{shown}: the config declares MTP heads but the weights hold none; not kept")
+        return None
+    if found is None and mode == "require":
+        raise ModelError(
+            f"{shown}: no MTP heads: architecture {config.get('model_type')!r} ships none or its "
+            f"config declares 0 (macspec keeps those of {', '.join(_mtp_types())})"
+        )
+    return found
+
+
+def _mtp_types() -> list[str]:
+    return [t for layout in mtp_heads.LAYOUTS for t in layout.model_types]
+
+
+def _heads(found: Any, model: Any, config: dict, opts: dict, source: str):
+    """(MtpConfig, heads) to write beside the converted model, quantized as it is; `opts`: q,
+    group_size, dtype, embed_8bit as convert was asked."""
+    from .mtp_extract import build
+
+    q, group = opts["q"], opts["group_size"]
+    quant = {"group_size": group, "bits": int(q), "mode": "affine"} if q in ("4", "8") else None
+    e8 = opts["embed_8bit"]
+    return build(found, model, config, opts["dtype"], quant, embed_8bit=e8, source=source)
+
+
 def convert(
     source: str,
     output: str | None = None,
@@ -233,6 +345,7 @@ def convert(
     force: bool = False,
     embed_8bit: bool = False,
     revision: str | None = None,
+    mtp: str = "auto",
 ) -> Path:
     """Convert `source` into the store as `output` (default: derived from the source name).
 
@@ -243,7 +356,7 @@ def convert(
     embeddings and the output head at 8 bits when quantizing.
     Returns the new model's directory.
     """
-    q = _checked_options(q, group_size, dtype)
+    q = _checked_options(q, group_size, dtype, mtp)
     kind, src = _source_kind(source)
     name = validate_name(output) if output else None  # a bad name fails before any download
     if name is not None and (store_root() / name).exists() and not force:
@@ -256,15 +369,18 @@ def convert(
     dest = store_root() / name
     if dest.exists() and not force:
         raise ConvertError(f"{dest} already exists; pass --force to replace it")
+    if kind != "gguf" and _is_draft(src):  # an EAGLE-3 draft: checked, stored as it is
+        return _store_draft(src, name, q, dtype, force, str(source) if kind == "hub" else str(src))
 
     start = time.perf_counter()
     with staging(name, force=force) as tmp:
-        _convert_into(tmp, kind, src, source, q, group_size, dtype, embed_8bit)
+        opts = {"q": q, "group_size": group_size, "embed_8bit": embed_8bit, "mtp": mtp}
+        _convert_into(tmp, kind, src, source, dtype, opts)
     _say(f"converted {source} -> {dest} ({time.perf_counter() - start:.1f} s)")
     return dest
 
 
-def _checked_options(q: str, group_size: int, dtype: str | None) -> str:
+def _checked_options(q: str, group_size: int, dtype: str | None, mtp: str) -> str:
     """The quantization choice (without a "bit" suffix); OptionError for any option not offered."""
     q = str(q).lower().removesuffix("bit")
     if q not in Q_CHOICES:
@@ -273,22 +389,19 @@ def _checked_options(q: str, group_size: int, dtype: str | None) -> str:
         raise OptionError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if group_size not in GROUP_SIZES:
         raise OptionError(f"--group-size must be one of {GROUP_SIZES}, not {group_size}")
+    if mtp not in MTP_CHOICES:
+        raise OptionError(f"mtp must be one of {', '.join(MTP_CHOICES)}, not {mtp!r}")
     return q
 
 
 def _convert_into(
-    tmp: Path,
-    kind: str,
-    src: Path,
-    source: str,
-    q: str,
-    group_size: int,
-    dtype: str | None,
-    embed_8bit: bool,
+    tmp: Path, kind: str, src: Path, source: str, dtype: str | None, opts: dict
 ) -> None:
-    """Write the converted model into the staging directory `tmp`."""
-    from mlx_lm.utils import load_model, load_tokenizer
+    """Write the converted model (and its MTP heads, if kept) into the staging directory `tmp`.
+    opts: q, group_size, embed_8bit, mtp."""
+    from mlx_lm.utils import load_tokenizer
 
+    q = opts["q"]
     if kind == "gguf":
         model_src = tmp / ".gguf-raw"  # intermediate mlx-lm layout, removed before publishing
         _from_gguf(src, model_src, q, dtype)
@@ -296,26 +409,22 @@ def _convert_into(
         model_src = src
     config = check_safe(model_src)
     chosen = dtype or config.get("torch_dtype") or config.get("dtype")
-    chosen = chosen if chosen in DTYPES else "float16"
-    try:
-        model, config = load_model(model_src, lazy=True)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        raise ConvertError(f"{model_src}: cannot load the weights ({e})") from e
+    opts = {**opts, "dtype": chosen if chosen in DTYPES else "float16"}
+    shown = str(source) if kind == "hub" else str(src)
+    model, config = _load_model(model_src, config)
+    found = _find_heads(model_src, config, model, opts["mtp"], shown)
     try:
         tokenizer = load_tokenizer(model_src)
     except Exception as e:  # transformers raises many types for a missing/broken tokenizer
         raise ConvertError(f"{model_src}: no usable tokenizer ({e})") from e
-    model, config = _transform(model, config, q, group_size, chosen, embed_8bit)
-    info = {
-        "source": str(source) if kind == "hub" else str(src),
-        "kind": kind,
-        "q": q,
-        "group_size": group_size if q in ("4", "8") else None,
-        "dtype": chosen,
-        "embed_8bit": embed_8bit,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    heads = found and _heads(found, model, config, opts, shown)
+    model, config = _transform(
+        model, config, q, opts["group_size"], opts["dtype"], opts["embed_8bit"]
+    )
+    info = _info(shown, kind, opts, heads[0].describe() if heads else None)
     try:
+        if heads:
+            mtp_heads.write(tmp, *heads)  # beside the model, as models/mtp.py reads them
         _write(model, tokenizer, config, model_src, tmp, info)
     except (ValueError, RuntimeError, OSError) as e:
         raise ConvertError(f"{source}: writing the converted model failed ({e})") from e
@@ -362,5 +471,17 @@ def register(subparsers: Any) -> None:
         help="with -q 4: keep embeddings and the output head at 8 bits",
     )
     p.add_argument("--revision", help="HF branch, tag or commit")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--mtp",
+        dest="mtp",
+        action="store_const",
+        const="require",
+        default="auto",
+        help="require the source's multi-token-prediction heads (kept by default when present)",
+    )
+    group.add_argument(
+        "--no-mtp", dest="mtp", action="store_const", const="drop", help="do not keep MTP heads"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing store entry")
     p.set_defaults(func=_run)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConvertError
+from . import gguf_mtp
 from .gguf_read import _gguf
 
 Reader = Callable[[str], np.ndarray]  # GGUF tensor name -> float32 values
@@ -178,6 +179,7 @@ ARCHS: dict[str, Arch] = {
     "phi3": Arch("phi3", _phi3, rope_scaling=("linear", "longrope"), partial_rotary=True),
     "olmo2": Arch("olmo2", _olmo2, rope_scaling=_ROPE, dtype="float32"),
     "starcoder2": Arch("starcoder2", _starcoder2, dtype="float32"),
+    "glm4moe": Arch("glm4_moe", gguf_mtp.glm4moe, partial_rotary=True, dtype="bfloat16"),
 }
 
 
@@ -302,7 +304,7 @@ def model_config(meta: dict, tensors: dict, path: Path, read: Reader) -> tuple[d
     c: dict[str, Any] = {
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": m.int("block_count"),
+        "num_hidden_layers": m.int("block_count") - gguf_mtp.heads(m),  # MTP layers follow
         "intermediate_size": m.int("feed_forward_length", 0),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -315,6 +317,8 @@ def model_config(meta: dict, tensors: dict, path: Path, read: Reader) -> tuple[d
         "rope_traditional": False,
         "_tensors": tensors,
     }
+    if gguf_mtp.heads(m):
+        c["num_nextn_predict_layers"] = gguf_mtp.heads(m)
     _check_sizes(c, tensors, path)
     rotary = m.int("rope.dimension_count", head_dim)
     if rotary != head_dim:
@@ -338,9 +342,10 @@ def _check_sizes(c: dict, tensors: dict, path: Path) -> None:
     """Sizes that shape the model must be plausible before an mlx-lm model is built from them
     (a damaged block_count of 2^31 would otherwise build 2^31 layers)."""
     blocks = {n.split(".")[1] for n in tensors if n.startswith("blk.") and n.count(".") >= 2}
-    if c["num_hidden_layers"] != len(blocks) or blocks != {str(i) for i in range(len(blocks))}:
+    count = c["num_hidden_layers"] + c.get("num_nextn_predict_layers", 0)
+    if count != len(blocks) or blocks != {str(i) for i in range(len(blocks))}:
         raise ConvertError(
-            f"{path}: block_count is {c['num_hidden_layers']} but the file holds tensors for "
+            f"{path}: block_count is {count} but the file holds tensors for "
             f"{len(blocks)} numbered blocks"
         )
     for key in ("intermediate_size", "num_attention_heads", "head_dim", "max_position_embeddings"):
@@ -394,19 +399,16 @@ def plan(config: dict, spec: Arch, arch: str, tensors: dict, path: Path) -> dict
     model = _mlx_model(config, path)
     modules = dict(model.named_modules())
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf.get_tensor_name_map(arch_id, config["num_hidden_layers"])
+    blocks = config["num_hidden_layers"] + config.get("num_nextn_predict_layers", 0)
+    names = gguf.get_tensor_name_map(arch_id, blocks)
     q_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_Q]
     k_name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ATTN_K]
     out: dict[str, Target] = {}
     for name, param in tree_flatten(model.parameters()):
         module, _, suffix = name.rpartition(".")
-        hf = module
-        for a, b in _MLX_TO_HF:
-            hf = hf.replace(a, b)
-        found = names.get_type_and_name(f"{hf}.{suffix}", try_suffixes=(".weight", ".bias"))
-        if found is None:
+        gname = _gguf_name(names, name)
+        if gname is None:
             raise ConvertError(f"{path}: no GGUF tensor corresponds to mlx-lm's '{name}'")
-        kind, gname = found
         base = gname.rsplit(".", 1)[0]
         heads = 0
         if spec.permute_qk and _matches(base, q_name):
@@ -416,8 +418,22 @@ def plan(config: dict, spec: Arch, arch: str, tensors: dict, path: Path) -> dict
         shift = spec.norm_shift if name.endswith("norm.weight") else 0.0
         can_quantize = suffix == "weight" and hasattr(modules.get(module), "to_quantized")
         out[gname] = Target(name, tuple(param.shape), can_quantize, heads, shift)
+    mtp = gguf_mtp.plan_heads(model, config, tensors, lambda n: _gguf_name(names, n), path)
+    # Always decoded: the heads are quantized (or not) with the model by convert.
+    out.update({g: Target(name, shape, False) for g, (name, shape) in mtp.items()})
     _check_coverage(out, tensors, path)
     return out
+
+
+def _gguf_name(names: Any, mlx_name: str) -> str | None:
+    """The GGUF tensor name of an mlx-lm parameter, through gguf-py's Hugging Face name map."""
+    module, _, suffix = mlx_name.rpartition(".")
+    for a, b in _MLX_TO_HF:
+        module = module.replace(a, b)
+    if suffix == "e_score_correction_bias":  # convert_hf_to_gguf renames it ...correction.bias
+        module, suffix = f"{module}.e_score_correction", "bias"
+    found = names.get_type_and_name(f"{module}.{suffix}", try_suffixes=(".weight", ".bias"))
+    return found[1] if found else None
 
 
 def _matches(base: str, pattern: str) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import ConvertError, ModelError, OptionError
 from ..paths import models_dir
+from . import mtp
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
@@ -194,6 +195,8 @@ def weights_summary(path: Path, config: dict) -> tuple[int, str]:
     quant = config.get("quantization") or {}
     params, dtypes = 0, {}
     for f in sorted(path.glob("*.safetensors")):
+        if f.name == mtp.WEIGHTS:  # the MTP heads beside the model are no part of it
+            continue
         header = _safetensors_header(f)
         header.pop("__metadata__", None)
         for key, info in header.items():
@@ -291,6 +294,7 @@ class ModelInfo:
     fingerprint: str
     source: str | None = None
     acceptance: str | None = None
+    mtp: str | None = None  # the MTP heads kept beside the model (models/mtp.py), if any
 
 
 def model_info(path: Path) -> ModelInfo:
@@ -313,6 +317,7 @@ def model_info(path: Path) -> ModelInfo:
         fingerprint=tokenizer_fingerprint(path),
         source=_read_json(path / INFO_FILE).get("source"),
         acceptance=_acceptance(report) if report else None,
+        mtp=mtp.summary(path),
     )
 
 
