@@ -4,6 +4,7 @@ that makes a call certain ("required" or a named function).
 
 The families and what their templates teach the model to write:
   hermes   Qwen 2.5 / Qwen 3, Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+           (Qwen2.5-Coder also fences it as ```json, or writes it bare as the whole answer)
   llama3   Llama 3.1-3.3: {"name": ..., "parameters": {...}}, the whole answer, maybe after
            <|python_tag|>
   mistral  [TOOL_CALLS][{"name": ..., "arguments": {...}}] (Nemo) or
@@ -163,6 +164,8 @@ def parse_body(family: str, body: str) -> list[ToolCall] | None:
     body = body.strip()
     if family == "hermes":
         obj = _json(body)
+        if obj is None and body.startswith("{{") and body.endswith("}}"):
+            obj = _json(body[1:-1])  # the template's example shows its braces doubled
         calls = [_call(family, obj.get("name"), obj.get("arguments", {}))] if _is(obj) else [None]
     elif family == "llama3":
         objs = [_json(part) for part in _split_top(body, ";")]
@@ -246,12 +249,13 @@ def _gemma(body: str) -> ToolCall | None:
 
 # ---------------------------------------------------------------- streaming
 
-# (markers that open a call, markers that close one; None: the call runs to the answer's end)
-_MARKERS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None]] = {
-    "hermes": (("<tool_call>",), ("</tool_call>",)),
-    "llama3": (("<|python_tag|>",), None),
-    "mistral": (("[TOOL_CALLS]",), None),
-    "gemma": (("<|tool_call>", "<start_function_call>"), ("<tool_call|>", "<end_function_call>")),
+# The markers that open a call, each with the one that closes it (None: the answer's end).
+# Hermes-style models also fence a call as a code block (Qwen2.5-Coder does; llama.cpp reads it).
+_MARKERS: dict[str, dict[str, str | None]] = {
+    "hermes": {"<tool_call>": "</tool_call>", "```json": "```", "```xml": "```"},
+    "llama3": {"<|python_tag|>": None},
+    "mistral": {"[TOOL_CALLS]": None},
+    "gemma": {"<|tool_call>": "<tool_call|>", "<start_function_call>": "<end_function_call>"},
 }
 
 
@@ -262,11 +266,14 @@ class ToolCallStream:
 
     def __init__(self, family: str) -> None:
         self.family = family
-        self.starts, self.ends = _MARKERS[family]
+        self.markers = _MARKERS[family]
+        self._end: str | None = None  # the marker that closes the open call
+        self._opened = 0  # the length of the marker that opened it
+        self._gap = ""  # whitespace between the content and the open call
         self.calls: list[ToolCall] = []
         self._held = ""  # content not yet released
         self._body: str | None = None  # inside a call: its text so far, start marker included
-        self._begun = False  # content released (llama3's bare JSON call must come first)
+        self._begun = False  # content released (a bare JSON call must come first)
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self._body is not None:
@@ -282,12 +289,13 @@ class ToolCallStream:
                     break
                 before = self._held[:i].rstrip()
                 out, self._begun = out + before, self._begun or bool(before)
-                self._body, self._held = self._held[i:], ""
+                # the whitespace before a call is dropped, unless it turns out to be no call
+                self._gap, self._body, self._held = self._held[len(before) : i], self._held[i:], ""
             closed = self._close()
             if closed is None:
                 break
             text, parsed = closed
-            out, calls = out + ("" if parsed else text), calls + (parsed or [])
+            out, calls = out + ("" if parsed else self._gap + text), calls + (parsed or [])
         self.calls += calls
         return out, calls
 
@@ -295,8 +303,8 @@ class ToolCallStream:
         """At the end of the answer: an open call is parsed (or given back as text)."""
         out, calls = "", []
         if self._body is not None:
-            parsed = parse_body(self.family, _strip_markers(self._body, self.starts, self.ends))
-            out, calls = ("", parsed) if parsed else (self._body, [])
+            parsed = parse_body(self.family, self._inside(self._body))
+            out, calls = ("", parsed) if parsed else (self._gap + self._body, [])
             self._body = None
         rest, self._held = self._held, ""
         if not (self.calls or calls) or rest.strip():
@@ -305,45 +313,54 @@ class ToolCallStream:
         return out, calls
 
     def _start(self) -> int | None:
-        """Where the held text opens a call (llama3: also a bare { that begins the answer)."""
-        at = [self._held.find(s) for s in self.starts if s in self._held]
-        if not at and self.family == "llama3" and not self._begun:
+        """Where the held text opens a call; also a bare { that begins the answer (Llama 3's
+        format; Qwen2.5-Coder writes its calls so too)."""
+        at = [(self._held.find(s), s) for s in self.markers if s in self._held]
+        if not at and self.family in ("llama3", "hermes") and not self._begun:
             if self._held.lstrip().startswith("{"):
-                at = [self._held.index("{")]
-        return min(at) if at else None
+                at = [(self._held.index("{"), "")]
+        if not at:
+            return None
+        i, start = min(at)
+        self._end, self._opened = self.markers.get(start), len(start)
+        return i
 
     def _close(self) -> tuple[str, list[ToolCall] | None] | None:
         """The call's text and its calls (None: not well formed) once its end marker is in."""
-        ends = [(self._body.find(e), e) for e in self.ends or () if e in self._body]
-        if not ends:
+        if self._end is None:
             return None
-        i, end = min(ends)
-        text, self._held = self._body[: i + len(end)], self._body[i + len(end) :]
+        # looked for after the opening marker (a fence opens and closes alike)
+        i = self._body.find(self._end, self._opened)
+        if i < 0:
+            return None
+        text, self._held = self._body[: i + len(self._end)], self._body[i + len(self._end) :]
         self._body = None
-        return text, parse_body(self.family, _strip_markers(text, self.starts, self.ends))
+        return text, parse_body(self.family, self._inside(text))
+
+    def _inside(self, text: str) -> str:
+        """A call's text less its markers (and a hermes call's tags inside a fence)."""
+        start = next((s for s in self.markers if text.startswith(s)), "")
+        text = text[len(start) :]
+        if self._end and text.endswith(self._end):
+            text = text[: -len(self._end)]
+        if self.family == "hermes":
+            text = text.strip().removeprefix("<tool_call>").removesuffix("</tool_call>")
+        return text
 
     def _release(self) -> str:
         """Held content that cannot begin a marker, less trailing whitespace."""
         text = self._held
         keep = max(
-            (n for s in self.starts for n in range(1, len(s)) if text.endswith(s[:n])), default=0
+            (n for s in self.markers for n in range(1, len(s)) if text.endswith(s[:n])), default=0
         )
         cut = len(text) - keep
         while cut > 0 and text[cut - 1].isspace():
             cut -= 1
-        if self.family == "llama3" and not self._begun and not text[:cut].strip():
+        if self.family in ("llama3", "hermes") and not self._begun and not text[:cut].strip():
             cut = 0  # nothing but whitespace yet: the answer may still be a bare JSON call
         self._begun = self._begun or bool(text[:cut].strip())
         self._held = text[cut:]
         return text[:cut]
-
-
-def _strip_markers(body: str, starts: tuple[str, ...], ends: tuple[str, ...] | None) -> str:
-    for s in starts:
-        body = body.removeprefix(s)
-    for e in ends or ():
-        body = body.removesuffix(e)
-    return body
 
 
 # ---------------------------------------------------------------- "required" as a constraint

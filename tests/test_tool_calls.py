@@ -165,7 +165,7 @@ def test_text_is_held_back_only_while_it_may_begin_a_call():
     assert s.finish() == ("", [])
     s = ToolCallStream("llama3")
     assert s.feed("  ") == ("", []) and s.feed('{"a": 1} is JSON') == ("", [])
-    assert s.finish() == ('{"a": 1} is JSON', [])  # not a call: given back whole
+    assert s.finish() == ('  {"a": 1} is JSON', [])  # not a call: given back whole
     s = ToolCallStream("llama3")
     assert s.feed("Sure: {") == ("Sure: {", [])  # the answer began as text
 
@@ -306,3 +306,22 @@ def test_required_is_refused_where_the_format_is_not_json(real):
     with pytest.raises(ToolError, match="not supported") as e:
         required_spec(real["gemma4"], check_tools(TOOLS), Choice("required"), set())
     assert e.value.param == "tool_choice"
+
+
+# Qwen2.5-Coder-0.5B-Instruct's greedy answer, given the tool through its own template
+CODER = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+# and Qwen2.5-Coder-1.5B-Instruct's: the template's own example, braces doubled as it shows them
+CODER_15 = '{{"name": "get_weather", "arguments": {"city": "Paris"}}}'
+
+
+def test_a_fenced_call_as_qwen_coder_writes_it():
+    assert stream("hermes", CODER_15, [5]) == ("", [("get_weather", {"city": "Paris"})])
+    assert stream("hermes", '{"name": "x"} is a name', [5]) == ('{"name": "x"} is a name', [])
+    for sizes in ([len(CODER)], [1], [3, 8]):
+        assert stream("hermes", CODER, sizes) == ("", [("get_weather", {"city": "Paris"})])
+    fenced = '```xml\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n```'
+    assert stream("hermes", fenced, [2]) == ("", [("now", {})])
+    text = 'Use:\n```json\n{"a": 1}\n```\nand\n```python\nprint(1)\n```'
+    assert stream("hermes", text, [3]) == (text, [])  # not calls: text, whole
