@@ -6,19 +6,16 @@ model writes come back as OpenAI tool_calls, whole or streamed."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-from tinymodels import make_tiny_model
+from scripted_server import scripted_serving, tool_model
 
 import macspec
 from macspec import api, chat_template
 from macspec.models.store import store_root
-from macspec.server.command import _bind, serving
-from macspec.server.scheduler import END, Scheduler
+from macspec.server.command import serving
 from macspec.tool_calls import ToolCallStream, check_tools, family_of
 
 QUESTION = [{"role": "user", "content": "what is the weather in paris"}]
@@ -33,26 +30,12 @@ TOOLS = [
         "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER},
     }
 ]
-# A template that takes tools (Hermes' call format), for the character-level test model.
-TOOL_TEMPLATE = (
-    "{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}{{ '\\n' }}"
-    "{% endif %}{% for m in messages %}{{ m.role }}: {{ m.content }}"
-    "{% for c in m.tool_calls or [] %}"
-    '<tool_call>{{ {"name": c.function.name, "arguments": c.function.arguments} | tojson }}'
-    "</tool_call>{% endfor %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}assistant: {% endif %}"
-)
 
 
 @pytest.fixture(scope="module")
 def tool_pair(tmp_path_factory):
     """The test model with a template that takes tools (no draft: these tests are not about it)."""
-    path = make_tiny_model(tmp_path_factory.mktemp("tools") / "target", seed=0, context=2048)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(
-        json.dumps({**config, "chat_template": TOOL_TEMPLATE})
-    )
-    return macspec.load(path, measure=False)
+    return macspec.load(tool_model(tmp_path_factory.mktemp("tools") / "target"), measure=False)
 
 
 @pytest.fixture(scope="module")
@@ -209,46 +192,10 @@ SCRIPT = [
 ]
 
 
-class Scripted(Scheduler):
-    """A scheduler whose rounds say SCRIPT, one piece a round: the model's calls without a model
-    trained to write them."""
-
-    def _step(self, job):
-        if job.stream is None:
-            job.stream = iter(range(len(SCRIPT)))
-        i = next(job.stream)
-        last = i == len(SCRIPT) - 1
-        stats = macspec.generate(self.pair, "ab", max_tokens=1).stats
-        job.put(
-            api.RoundEvent(
-                (), (), (1,), 1, SCRIPT[i], (), 0, False, 0.0, 0.0, 0.0, 0.0,
-                "stop" if last else None, stats=stats,
-            )
-        )  # fmt: skip
-        if last:
-            job.put(END)
-        return not last
-
-
 @pytest.fixture(scope="module")
 def scripted_url(tool_pair):
-    import uvicorn
-
-    from macspec.server.app import create_app
-
-    scheduler = Scripted(tool_pair)
-    config = uvicorn.Config(create_app(tool_pair, scheduler), log_level="warning")
-    server = uvicorn.Server(config)
-    sock = _bind("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    scheduler.close()
-    server.should_exit = True
-    thread.join()
-    scheduler.shutdown()
+    with scripted_serving(tool_pair, lambda prompt: SCRIPT) as base:
+        yield base
 
 
 def test_calls_come_back_as_tool_calls_whole_and_streamed(scripted_url):
