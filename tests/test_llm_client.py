@@ -29,7 +29,8 @@ def configure(home: Path, base: str, model_name: str) -> dict[str, str]:
         "  supports_tools: true\n"
     )
     (home / "extra-openai-models.yaml").write_text(entry)
-    return {**os.environ, "LLM_USER_PATH": str(home), "OPENAI_API_KEY": "unused"}
+    env = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}  # none is needed
+    return {**env, "LLM_USER_PATH": str(home)}
 
 
 def llm(env: dict[str, str], *args: str) -> str:
