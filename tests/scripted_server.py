@@ -5,17 +5,14 @@ answers are scripted: the calls a trained model would write, from a model that i
 from __future__ import annotations
 
 import json
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api
-from macspec.server.command import _bind
+from macspec.server.command import serving
 from macspec.server.scheduler import END, Scheduler
 
 # Hermes' call format, in a template the character-level test model can read.
@@ -60,24 +57,6 @@ class Scripted(Scheduler):
         return piece is not None
 
 
-@contextmanager
-def scripted_serving(pair, script: Callable[[str], list[str]]) -> Iterator[str]:
-    """`macspec serve` (in a thread) answering by `script`; yields its base URL."""
-    import uvicorn
-
-    from macspec.server.app import create_app
-
-    scheduler = Scripted(pair, script)
-    server = uvicorn.Server(uvicorn.Config(create_app(pair, scheduler), log_level="warning"))
-    sock = _bind("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-    thread.start()
-    try:
-        while not server.started:
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        scheduler.close()
-        server.should_exit = True
-        thread.join()
-        scheduler.shutdown()
+def scripted_serving(pair, script: Callable[[str], list[str]]):
+    """`macspec serve` (in a thread) answering by `script`; a context giving its base URL."""
+    return serving(pair, scheduler=Scripted(pair, script))
