@@ -24,7 +24,7 @@ from .core import (
     guard,
     make_target,
 )
-from .errors import PromptError
+from .errors import OptionError, PromptError
 from .kept_costs import calibrate
 from .options import GenerationOptions
 from .options import signature as options_signature
@@ -223,7 +223,7 @@ def stream_generate(
     as `macspec chat` and `macspec generate` do; a string `prompt` is encoded as-is (no chat
     template); a list of ids is used exactly. The options are `GenerationOptions`' fields
     (macspec/options.py: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    num_draft, seed, stop, speculative, adaptive)."""
+    num_draft, seed, stop, speculative, adaptive, grammar, json_schema)."""
     opts = GenerationOptions.from_kwargs(**options)
     ids = prompt_ids(pair, prompt, messages)
     check_length(pair, ids)
@@ -308,6 +308,11 @@ class GenerationStream:
 
 
 def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationStream:
+    if opts.constraint is not None:  # checked here; the core applies its masks (grammar.py) next
+        raise OptionError(
+            f"{opts.constraint.param}: constrained decoding is not in this build yet (the "
+            "schema or grammar was checked and is valid)"
+        )
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     drafter = pair.make_drafter(opts.adaptive) if opts.speculative else None
     adaptive = drafter is not None and opts.adaptive

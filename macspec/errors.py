@@ -34,5 +34,10 @@ class CacheError(MacspecError):
     the output silently differ from the target's own."""
 
 
+class ConstraintError(MacspecError):
+    """A constraint (grammar, JSON schema) was asked about ids it forbids, or allows nothing: the
+    output would no longer be what the constraint promises."""
+
+
 class MacspecWarning(UserWarning):
     """Base class of macspec's warnings: something works, but slower or worse than it could."""

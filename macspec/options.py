@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from . import grammar as constraints
 from .core.sampling import SamplingOptions
 from .errors import OptionError
 
@@ -40,6 +42,12 @@ class GenerationOptions:
         "draft exactly K every round (default: K adapts to acceptance and measured speed)",
         flag="--no-adaptive",
     )
+    grammar: str | None = _opt(
+        None, "constrain the output to this grammar (a file: Lark or llama.cpp's GBNF)", file="text"
+    )
+    json_schema: dict | bool | None = _opt(
+        None, "constrain the output to JSON valid under this schema (a file)", file="json"
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> OptionError:
@@ -63,12 +71,22 @@ class GenerationOptions:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
         _ = self.sampling  # SamplingOptions checks temperature, top_p, top_k, min_p, penalty
+        spec = self.constraint
+        if spec is not None:
+            spec.compile()  # an invalid or unsupported schema or grammar fails here, named
+            if spec.kind == "json_schema":
+                object.__setattr__(self, "json_schema", json.loads(spec.text))
 
     @property
     def sampling(self) -> SamplingOptions:
         return SamplingOptions(
             self.temperature, self.top_p, self.top_k, self.min_p, self.repetition_penalty
         )
+
+    @property
+    def constraint(self) -> constraints.Spec | None:
+        """The grammar or JSON schema the output must follow (None: unconstrained)."""
+        return constraints.spec_of(self.grammar, self.json_schema)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> GenerationOptions:
@@ -118,12 +136,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         elif f.name == "stop":
             parser.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+        elif "file" in f.metadata:
+            read = _read_json if f.metadata["file"] == "json" else _read_text
+            parser.add_argument(
+                flag, dest=f.name, type=read, default=None, metavar="FILE", help=help_text
+            )
         else:
             kind = next(t for t in (int, float) if t in _types(HINTS[f.name]))
             default = "" if f.default is None else f" (default {f.default})"
             parser.add_argument(
                 flag, dest=f.name, type=kind, default=None, help=help_text + default
             )
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {e}") from None
+
+
+def _read_json(path: str) -> object:
+    try:
+        return json.loads(_read_text(path))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{path} is not JSON: {e}") from None
 
 
 def from_args(args: argparse.Namespace) -> dict[str, Any]:

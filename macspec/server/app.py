@@ -19,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import api
+from .. import api, chat_template, tool_calls
 from ..pair import Pair
 from . import protocol
 from .protocol import DONE, HTTPError, Request, chunk, error_body, sse
@@ -148,8 +148,9 @@ class _Server:
             req = protocol.parse_request(data, endpoint, self.defaults)
             if req.model is not None:
                 self._check_model(req.model)
-            ids = api.prompt_ids(self.pair, req.prompt, req.messages)
+            ids, family = self._prompt(req)
             api.check_length(self.pair, ids)
+            protocol.refuse_undecodable(req)
         except Exception as e:
             return error_response(e)
         job = self.scheduler.submit(ids, req.options)
@@ -162,18 +163,48 @@ class _Server:
                     HTTPError("the server is shutting down", 503, kind="server_error")
                 )
             if req.stream:
-                events = self._events(job, req, len(ids), first)
+                events = self._events(job, req, len(ids), first, family)
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            return await self._whole(job, req, len(ids), first, request)
+            return await self._whole(job, req, len(ids), first, request, family)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         finally:
             if not req.stream:
                 self.scheduler.cancel(job)  # no-op once it has finished
 
+    def _prompt(self, req: Request) -> tuple[list[int], str | None]:
+        """The prompt's ids, and the tool-call family to read from the answer (None: no tools).
+        With tools, a template that takes none or writes calls macspec cannot read is a 400."""
+        tokenizer, family = self.pair.tokenizer, None
+        if req.messages is None:
+            return api.prompt_ids(self.pair, req.prompt), None
+        tools = req.tools if req.tool_choice.mode != "none" else None
+        text = chat_template.render(tokenizer, req.messages, tools)
+        if tools:
+            family = tool_calls.family_of(tokenizer.chat_template)
+            if family is None:
+                raise HTTPError(
+                    "this model's template takes tools, but writes calls in a format macspec "
+                    f"does not read (it reads {', '.join(tool_calls.FAMILIES)})",
+                    param="tools",
+                )
+        if req.tool_choice.mode == "required":
+            specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+            spec = tool_calls.required_spec(
+                tokenizer.chat_template, req.tools, req.tool_choice, specials
+            )
+            req.options["grammar"] = spec.text
+        return api.prompt_ids(self.pair, text), family
+
     async def _whole(
-        self, job: Job, req: Request, prompt_tokens: int, item: Any, request: HTTPRequest
+        self,
+        job: Job,
+        req: Request,
+        prompt_tokens: int,
+        item: Any,
+        request: HTTPRequest,
+        family: str | None,
     ) -> Response:
         parts, stats, reason = [], None, None
         while item is not END:
@@ -182,17 +213,26 @@ class _Server:
             parts.append(item.text)
             stats, reason = item.stats, item.finish_reason or reason
             item = await self._next(job, request)
+        text, calls = "".join(parts), []
+        if family is not None:
+            reader = tool_calls.ToolCallStream(family)
+            head, _ = reader.feed(text)
+            tail, _ = reader.finish()
+            text, calls = head + tail, reader.calls
         rid = protocol.new_id(req.endpoint)
         use = protocol.usage(stats, prompt_tokens)
-        body = protocol.answer(
-            req, rid, self.model_id, "".join(parts), protocol.finish_reason(reason), use
-        )
+        end = protocol.finish_reason(reason)
+        body = protocol.answer(req, rid, self.model_id, text, end, use, calls)
         return JSONResponse(body)
 
-    async def _events(self, job: Job, req: Request, prompt_tokens: int, item: Any):
-        """The server-sent events of a streamed answer: one chunk per round."""
+    async def _events(
+        self, job: Job, req: Request, prompt_tokens: int, item: Any, family: str | None
+    ):
+        """The server-sent events of a streamed answer: one chunk per round (tool calls in the
+        chunk of the round that completes them)."""
         rid, created, model = protocol.new_id(req.endpoint), int(time.time()), self.model_id
         stats, reason = None, None
+        reader = tool_calls.ToolCallStream(family) if family is not None else None
         try:
             if req.endpoint == "chat":
                 yield chunk(req, rid, model, created, "")
@@ -202,11 +242,19 @@ class _Server:
                     yield DONE
                     return
                 stats, reason = item.stats, item.finish_reason or reason
-                if item.text:
+                text, calls = reader.feed(item.text) if reader else (item.text, [])
+                if text or calls:
                     live = {"drafted": item.num_draft, "accepted": len(item.accepted)}
-                    yield chunk(req, rid, model, created, item.text, extra=live)
+                    numbered = _numbered(reader, calls)
+                    yield chunk(req, rid, model, created, text, extra=live, calls=numbered)
                 item = await job.events.get()
+            if reader is not None:
+                text, calls = reader.finish()
+                if text or calls:
+                    yield chunk(req, rid, model, created, text, calls=_numbered(reader, calls))
             end = protocol.finish_reason(None if job.stopped else reason)
+            if reader is not None and reader.calls and end == "stop":
+                end = "tool_calls"
             yield chunk(req, rid, model, created, None, end)
             if req.include_usage:
                 yield chunk(
@@ -264,6 +312,12 @@ class _Server:
             if len(body) > self.max_body:
                 raise _too_large(self.max_body)
         return bytes(body)
+
+
+def _numbered(reader: Any, calls: list) -> list:
+    """(index in the answer, call) for calls just completed: the last ones the reader holds."""
+    first = len(reader.calls) - len(calls) if reader is not None else 0
+    return list(enumerate(calls, first))
 
 
 def _too_large(cap: int) -> HTTPError:

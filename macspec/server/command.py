@@ -111,16 +111,21 @@ def _server(config: Any, scheduler: Any) -> Any:
 
 @contextmanager
 def serving(
-    pair: Any, host: str = "127.0.0.1", port: int = 0, parallel: int = 4, **app: Any
+    pair: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    parallel: int = 4,
+    scheduler: Any = None,
+    **app: Any,
 ) -> Iterator[str]:
     """The server in a thread of this process (tests, benchmarks); yields its base URL. `app`:
-    create_app's options (api_key, defaults, max_body)."""
+    create_app's options (api_key, defaults, max_body); `scheduler`: one made already."""
     import uvicorn
 
     from .app import create_app
     from .scheduler import Scheduler
 
-    scheduler = Scheduler(pair, parallel)
+    scheduler = scheduler or Scheduler(pair, parallel)
     sock = _bind(host, port)
     config = uvicorn.Config(create_app(pair, scheduler, **app), log_level="warning")
     server = uvicorn.Server(config)

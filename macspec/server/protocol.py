@@ -7,12 +7,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import chat_template, tool_calls
 from ..api import GenerationStats
 from ..errors import MacspecError, OptionError, PromptError
 from ..options import NAMES, GenerationOptions
+from ..tool_calls import Choice, ToolCall
+from .logprobs import MAX_TOP
 
 
 class HTTPError(MacspecError):
@@ -34,8 +38,9 @@ def error_body(e: BaseException) -> tuple[int, dict[str, Any]]:
     """(status, {"error": {...}}) for any exception: the one place errors become HTTP."""
     if isinstance(e, HTTPError):
         status, param, code, kind = e.status, e.param, e.code, e.kind
-    elif isinstance(e, OptionError):
-        status, param, code, kind = 400, None, "invalid_value", "invalid_request_error"
+    elif isinstance(e, OptionError):  # a ToolError names its field
+        status, param, code = 400, getattr(e, "param", None), "invalid_value"
+        kind = "invalid_request_error"
     elif isinstance(e, PromptError):
         code = "context_length_exceeded" if "context" in str(e) else "invalid_prompt"
         status, param, kind = 400, "messages", "invalid_request_error"
@@ -66,14 +71,12 @@ _OFF = {
     "best_of": (1,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
-    "logprobs": (False, None),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "suffix": (None, ""),
-    "tools": (None, []),
     "functions": (None, []),
+    "function_call": (None, "none"),
     "logit_bias": (None, {}),
-    "tool_choice": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True),
 }
 # Fields a request may set, under OpenAI's names, mapped onto GenerationOptions.
 _ALIASES = {"max_completion_tokens": "max_tokens"}
@@ -84,11 +87,14 @@ ROLES = {"system", "user", "assistant", "developer", "tool"}
 class Request:
     endpoint: str  # "chat" or "completion"
     model: str | None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     options: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: Choice = Choice("none")
+    logprobs: int | None = None  # top ids to report with each token's logprob; None: off
 
 
 def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any]) -> Request:
@@ -100,11 +106,6 @@ def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any])
                 param=name,
                 code="unsupported",
             )
-    fmt = data.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise HTTPError(
-            "only response_format {'type': 'text'} is supported", param="response_format"
-        )
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise HTTPError("model must be a string", param="model")
@@ -120,7 +121,88 @@ def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any])
     else:
         req.prompt = _prompt(data.get("prompt"))
     req.options = {**defaults, **_options(data)}
+    _response_format(data.get("response_format"), req.options)
+    _tools(data, req)
+    req.logprobs = _logprobs(data, endpoint)
     return req
+
+
+def _response_format(fmt: Any, options: dict[str, Any]) -> None:
+    """response_format as the json_schema option (json_object: any JSON object)."""
+    if fmt is None or fmt == {"type": "text"}:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        inner = fmt.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise HTTPError(
+                "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                param="response_format",
+            )
+    else:
+        raise HTTPError(
+            "response_format type must be 'text', 'json_object' or 'json_schema'",
+            param="response_format",
+        )
+    if options.get("grammar") is not None:
+        raise HTTPError("give response_format or grammar, not both", param="response_format")
+    try:
+        GenerationOptions.from_kwargs(json_schema=schema)
+    except OptionError as e:
+        raise HTTPError(str(e), param="response_format", code="invalid_value") from None
+    options["json_schema"] = schema
+
+
+def _tools(data: dict[str, Any], req: Request) -> None:
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if req.endpoint == "completion" and (tools or choice is not None):
+        raise HTTPError("tools are for /v1/chat/completions", param="tools")
+    try:
+        req.tools = tool_calls.check_tools(tools) if tools is not None else []
+        req.tool_choice = tool_calls.check_choice(choice, req.tools)
+    except tool_calls.ToolError as e:
+        raise HTTPError(str(e), param=e.param, code="invalid_value") from None
+    if req.tool_choice.mode == "required" and req.options.get("json_schema") is not None:
+        raise HTTPError("a required tool call and a JSON answer exclude each other", "tool_choice")
+
+
+def _logprobs(data: dict[str, Any], endpoint: str) -> int | None:
+    """How many top ids to report per token (0: only the token's own logprob); None: off."""
+    if endpoint == "completion":  # the legacy field is the count itself
+        top = data.get("logprobs")
+        param = "logprobs"
+    else:
+        if not _flag(data, "logprobs"):
+            if data.get("top_logprobs") not in (None, 0):
+                raise HTTPError("top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        top, param = data.get("top_logprobs") or 0, "top_logprobs"
+    if top is None:
+        return None
+    if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP:
+        raise HTTPError(f"{param} must be an integer from 0 to {MAX_TOP}", param=param)
+    return top
+
+
+def refuse_undecodable(req: Request) -> None:
+    """What the core cannot decode yet (constraints, logprobs): checked, then refused by name."""
+    if req.logprobs is not None:
+        param = "logprobs" if req.endpoint == "completion" else "top_logprobs"
+        raise HTTPError("logprobs are not in this build yet", param=param, code="unsupported")
+    if req.tool_choice.mode == "required":
+        param = "tool_choice"
+    elif req.options.get("json_schema") is not None or req.options.get("grammar") is not None:
+        param = "response_format" if "json_schema" in req.options else "grammar"
+    else:
+        return
+    raise HTTPError(
+        f"{param}: constrained decoding is not in this build yet (the request is valid)",
+        param=param,
+        code="unsupported",
+    )
 
 
 def _flag(data: dict, name: str, param: str | None = None) -> bool:
@@ -152,7 +234,7 @@ def _options(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise HTTPError("messages must be a non-empty list of messages", param="messages")
     out = []
@@ -173,7 +255,14 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise HTTPError(f"{where}.content must be a string", param=where)
         # "developer" is OpenAI's newer name for system; chat templates know system
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if m.get(key) is not None:
+                message[key] = m[key]
+        try:  # tool calls as templates read them (arguments as mappings), checked
+            out += chat_template.check_messages([message])
+        except PromptError as e:
+            raise HTTPError(f"{where}: {e}".replace("messages[0]", "it"), param=where) from None
     return out
 
 
@@ -237,17 +326,29 @@ def usage(stats: GenerationStats | None, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
-def answer(req: Request, rid: str, model: str, text: str, reason: str, use: dict) -> dict:
-    """The whole (non-streamed) answer."""
+def answer(
+    req: Request,
+    rid: str,
+    model: str,
+    text: str,
+    reason: str,
+    use: dict,
+    calls: Sequence[ToolCall] = (),
+    logprobs: dict | None = None,
+) -> dict:
+    """The whole (non-streamed) answer; `logprobs`: the choice's, already in OpenAI's shape."""
     head = {"id": rid, "created": int(time.time()), "model": model, "usage": use}
     if req.endpoint == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-        return {
-            **head,
-            "object": "chat.completion",
-            "choices": [{**choice, "finish_reason": reason, "logprobs": None}],
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": (text or None) if calls else text,
         }
-    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        if calls:
+            message["tool_calls"] = [c.openai(i) for i, c in enumerate(calls)]
+        reason = "tool_calls" if calls and reason == "stop" else reason
+        choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}
+        return {**head, "object": "chat.completion", "choices": [choice]}
+    choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
     return {**head, "object": "text_completion", "choices": [choice]}
 
 
@@ -260,19 +361,25 @@ def chunk(
     reason: str | None = None,
     use: dict | None = None,
     extra: dict | None = None,
+    calls: Sequence[tuple[int, ToolCall]] = (),
+    logprobs: dict | None = None,
 ) -> bytes:
-    """One server-sent event: a text delta, the finish, or (choices empty) the usage. `extra`:
-    this round's drafts (drafted, accepted), under "macspec"."""
+    """One server-sent event: a text delta (and tool calls complete in it, with their index in
+    the answer), the finish, or (choices empty) the usage. `extra`: this round's drafts
+    (drafted, accepted), under "macspec"."""
     head: dict[str, Any] = {"id": rid, "created": created, "model": model}
     if req.endpoint == "chat":
         head["object"] = "chat.completion.chunk"
-        delta = {} if text is None else {"content": text}
-        if text == "" and reason is None:  # the first chunk names the role
+        delta: dict[str, Any] = {} if text is None else {"content": text}
+        if text == "" and reason is None and not calls:  # the first chunk names the role
             delta["role"] = "assistant"
-        choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
+        if calls:
+            delta["tool_calls"] = [c.openai(i) for i, c in calls]
+        choices = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
     else:
         head["object"] = "text_completion"
-        choices = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
+        choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}
+        choices = [choice]
     if use is not None:
         choices = []
     body = {**head, "choices": choices}
