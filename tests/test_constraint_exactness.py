@@ -15,8 +15,8 @@ from scipy.stats import chisquare
 from tinymodels import DEFAULT_CHARS, write_char_tokenizer
 from transformers import AutoTokenizer
 
-from macspec.core.verify import accept
 from macspec.core.sampling import SamplingOptions, distribution, sample
+from macspec.core.verify import accept
 from macspec.grammar import Grammar, Spec
 
 EOS = 2
