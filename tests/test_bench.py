@@ -536,5 +536,17 @@ def test_llamacpp_rows_run_the_gguf(gguf_pair, same_pair, tmp_path):
     assert runs["llamacpp_plain"]["text"] == runs["macspec_plain"]["text"]
     assert runs["llamacpp_ngram"]["text"] == runs["macspec_plain"]["text"]
     assert result["meta"]["llamacpp"]["gguf"] == gguf
+    # The target as its own draft: every draft is accepted; K is the server's (K=2 drafts fewer
+    # a round than llama.cpp's own n_max=3, so fewer in all).
+    result = _small(
+        (target, None), tmp_path, methods="llamacpp_draft", gguf=gguf, draft_gguf=gguf,
+        max_tokens=12,
+    )  # fmt: skip
+    k2, own = result["runs"]
+    assert (k2["label"], own["label"]) == ("llama.cpp draft K=2", "llama.cpp draft (its defaults)")
+    assert result["meta"]["llamacpp"]["draft_defaults"]["n_max"] == 3
+    assert k2["accepted"] == k2["drafted"] > 0 and own["accepted"] == own["drafted"] > 0
+    assert k2["drafted"] < own["drafted"]
+    assert k2["text"] == own["text"] and k2["text"].startswith(runs["macspec_plain"]["text"])
     with pytest.raises(OptionError, match="does not have the target's vocabulary"):
         _small(same_pair, tmp_path, methods="llamacpp_plain", gguf=gguf)

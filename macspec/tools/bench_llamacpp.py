@@ -73,8 +73,11 @@ class LlamaCpp:
             "draft_defaults": {"n_max": d.n_max, "n_min": d.n_min, "p_min": round(d.p_min, 3)},
         }
 
-    def _server(self, method: str) -> Any:
-        if method not in self.servers:
+    def _server(self, method: str, num_draft: int) -> Any:
+        """The server for a method; the draft's K is a server setting (this build ignores the
+        request's speculative.n_max), so each K has its own."""
+        key = (method, num_draft if method == "llamacpp_draft" else 0)
+        if key not in self.servers:
             import xllamacpp as xl
 
             p = xl.CommonParams()
@@ -85,16 +88,18 @@ class LlamaCpp:
             kinds = xl.common_speculative_type
             if method == "llamacpp_draft":
                 p.speculative.types = [kinds.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
-                p.speculative.draft.mparams.path = str(self.draft_gguf)
+                d = p.speculative.draft
+                d.mparams.path = str(self.draft_gguf)
                 if self.threads:
-                    p.speculative.draft.cpuparams.n_threads = self.threads
-                    p.speculative.draft.cpuparams_batch.n_threads = self.threads
+                    d.cpuparams.n_threads = d.cpuparams_batch.n_threads = self.threads
+                if num_draft:  # 0: llama.cpp's own settings
+                    d.n_max, d.n_min, d.p_min = num_draft, 0, 0.0
             elif method == "llamacpp_ngram":
                 p.speculative.types = [kinds.COMMON_SPECULATIVE_TYPE_NGRAM_SIMPLE]
-            self.servers[method] = xl.Server(p)
-        return self.servers[method]
+            self.servers[key] = xl.Server(p)
+        return self.servers[key]
 
-    def request(self, method: str, num_draft: int, ids: list[int], temperature: float, seed: int):
+    def request(self, ids: list[int], temperature: float, seed: int) -> dict[str, Any]:
         """The /completion request of one run: pure temperature sampling, as macspec's rows."""
         req: dict[str, Any] = {
             "prompt": ids,
@@ -107,9 +112,6 @@ class LlamaCpp:
             "cache_prompt": False,
             "stream": True,
         }
-        if method == "llamacpp_draft" and num_draft:  # 0: llama.cpp's own defaults
-            req.update({"speculative.n_max": num_draft, "speculative.n_min": 0})
-            req["speculative.p_min"] = 0.0
         return req
 
     def run(
@@ -117,9 +119,9 @@ class LlamaCpp:
         c: Recorder,
     ) -> Iterator[Recorder]:  # fmt: skip
         """Stream one run into `c`, yielding it after each chunk of tokens."""
-        server = self._server(method)
+        server = self._server(method, num_draft)
         chunks: queue.Queue = queue.Queue()
-        req = self.request(method, num_draft, ids, temperature, seed)
+        req = self.request(ids, temperature, seed)
 
         def work() -> None:
             try:

@@ -135,6 +135,7 @@ def summarise(
             if (t := sum(r.decode_time for r in rs)) > 0
         ]
         drafted, accepted = sum(r.drafted for r in recs), sum(r.accepted for r in recs)
+        passes = sum(r.passes for r in recs)  # 0: unknown (llama.cpp's speculative rows)
         spec_rounds = sum(r.spec_rounds for r in recs)
         width = max((len(r.drafted_at) for r in recs), default=0)
         at_d = [sum(r.drafted_at[i] for r in recs if i < len(r.drafted_at)) for i in range(width)]
@@ -167,7 +168,7 @@ def summarise(
                 "time_split": split,
                 "peak_memory_bytes": max(r.peak_memory for r in recs),
                 "target_passes_per_s": statistics.median(passes_s) if passes_s else 0.0,
-                "rows_per_pass": sum(r.rows for r in recs) / max(1, sum(r.passes for r in recs)),
+                "rows_per_pass": sum(r.rows for r in recs) / passes if passes else None,
                 "weight_read_gbs": weight_gbs,
                 # None where passes are unknown (llama.cpp's speculative rows)
                 "bandwidth_fraction": weight_gbs / bandwidth_gbs
