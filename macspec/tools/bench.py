@@ -1,9 +1,11 @@
 """`macspec bench`: every decoding method side by side, on the same prompts, seeds and machine.
 
-Methods: mlx-lm's own plain `generate_step` (the baseline), mlx-lm's `speculative_generate_step`,
-macspec with fixed K, adaptive K, the n-gram drafter, and macspec's plain decoding. A method the
-cannot run here (no draft model, a draft mlx-lm cannot run) is skipped with the reason in the
-output, never imitated.
+Methods: mlx-lm's own plain `generate_step`, mlx-lm's `speculative_generate_step`, macspec with
+fixed K, adaptive K, the n-gram drafter, and macspec's plain decoding. `--methods` names exactly
+what runs; without it every method runs, except mlx-lm's where its model would take more than a
+minute a prompt (opt-in then). Speedups are against mlx-lm plain when it ran, else macspec plain;
+the table says which. A method that cannot run here (no draft model, a draft mlx-lm cannot run)
+is skipped with the reason in the output, never imitated.
 
 Throughput is measured the same way for every method, from outside: tokens emitted after the
 first target pass, over the wall time after it (prefill and the first pass are excluded).
@@ -14,9 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,190 +26,34 @@ from typing import Any
 import mlx.core as mx
 
 from .. import platform_info as be
-from ..api import prompt_ids, stream_generate
-from ..cpu import kernels
+from ..api import prompt_ids
 from ..errors import MacspecError, OptionError
-from ..options import GenerationOptions
-from .bench_plan import _NEEDS_DRAFT, METHODS, Method, load_pairs, plan_methods
+from .bench_llamacpp import LLAMACPP, LlamaCpp, check_vocabulary, unavailable
+from .bench_plan import (
+    DEFAULT_METHODS,
+    METHODS,
+    MLX_LM,
+    Method,
+    baseline,
+    load_pairs,
+    mlx_lm_step,
+    opt_in_reason,
+    parse_names,
+    parse_numbers,
+    plan_methods,
+    select_prompts,
+)
+from .bench_progress import Finished, Note, RunUpdate, StderrProgress
 from .bench_report import (
-    Recorder,
     RunRecord,
     format_table,
     summarise,
     write_charts,
 )
-from .prompts import KINDS, Prompt, builtin_prompts, load_prompts, with_context
-
-# ------------------------------------------------------------------ running one method
-
-
-# What each macspec method sets besides the run's own options (GenerationOptions fields).
-_OPTIONS: dict[str, dict[str, Any]] = {
-    "macspec": {"adaptive": False},
-    "macspec_tree": {"adaptive": False},
-    "macspec_adaptive": {},
-    "macspec_ngram": {},
-    "macspec_plain": {"speculative": False},
-}
-
-
-class Runner:
-    """Holds the loaded pairs and runs one method on one prompt.
-
-    `pairs`: "model" (the draft model alone: mlx-lm's methods, macspec fixed K and plain),
-    "default" (macspec's own default drafting: adaptive K), "ngram" (no draft model)."""
-
-    def __init__(self, pairs: dict[str, Any], max_tokens: int):
-        self.pairs = pairs
-        self.pair = pairs["model"]
-        self.max_tokens = max_tokens
-
-    def pair_for(self, method: str) -> Any:
-        return self.pairs[
-            {"macspec_adaptive": "default", "macspec_ngram": "ngram"}.get(method, "model")
-        ]
-
-    def run(self, m: Method, prompt_ids: list[int], temperature: float, seed: int, rec: RunRecord):
-        # Other methods' pairs stay loaded: count this method's weights plus what the run added.
-        resident = mx.get_active_memory()
-        mx.reset_peak_memory()
-        counter = Recorder(rec)
-        if m.method in ("mlx_lm", "mlx_lm_spec"):
-            # mlx-lm's rows run the models as mlx-lm loads them, without macspec's CPU kernels.
-            with kernels.stock(self.pair.target, self.pair.draft):
-                self._mlx_lm(m, prompt_ids, temperature, seed, counter)
-        else:
-            self._macspec(m, prompt_ids, temperature, seed, counter)
-        counter.finish()
-        pair = self.pair_for(m.method)
-        weights = _nbytes(pair.target)
-        if m.method in _NEEDS_DRAFT and pair.draft is not None:
-            weights += _nbytes(pair.draft)
-        rec.peak_memory = int(mx.get_peak_memory() - resident + weights)
-
-    def _macspec(self, m: Method, ids: list[int], temperature: float, seed: int, c: Recorder):
-        opts = GenerationOptions(
-            max_tokens=self.max_tokens,
-            temperature=temperature,
-            seed=seed,
-            num_draft=max(m.num_draft, 1),
-            tree_nodes=m.tree_nodes,
-            **_OPTIONS[m.method],
-        )
-        draft = verify = 0.0
-        first = True
-        for ev in stream_generate(self.pair_for(m.method), ids, **opts.to_dict()):
-            c.round(len(ev.emitted), ev.num_draft, len(ev.accepted), time.perf_counter(), ev.rows)
-            if not first:
-                draft += ev.draft_time
-                verify += ev.verify_time
-            first = False
-            c.rec.text += ev.text
-        c.rec.draft_time, c.rec.verify_time = draft, verify
-
-    def _mlx_lm(self, m: Method, ids: list[int], temperature: float, seed: int, c: Recorder):
-        from mlx_lm.generate import generate_step, speculative_generate_step
-        from mlx_lm.sample_utils import make_sampler
-
-        mx.random.seed(seed)
-        prompt = mx.array(ids, mx.uint32)
-        sampler = make_sampler(temp=temperature)
-        eos = set(self.pair.eos_token_ids)
-        detok = self.pair.tokenizer.detokenizer
-        detok.reset()
-        if m.method == "mlx_lm":
-            steps = generate_step(
-                prompt, self.pair.target, max_tokens=self.max_tokens, sampler=sampler
-            )
-            for token, _ in steps:
-                token = int(token)
-                if token in eos:
-                    c.round(0, 0, 0, time.perf_counter())
-                    break
-                detok.add_token(token)
-                c.round(1, 0, 0, time.perf_counter())
-        else:
-            steps = speculative_generate_step(
-                prompt,
-                self.pair.target,
-                self.pair.draft,
-                num_draft_tokens=m.num_draft,
-                max_tokens=self.max_tokens,
-                sampler=sampler,
-            )
-            # mlx-lm yields a round's accepted drafts (from_draft=True) then the target's token.
-            run = emitted = 0
-            for token, _, from_draft in steps:
-                token = int(token)
-                stop = token in eos
-                if not stop:
-                    detok.add_token(token)
-                    emitted += 1
-                if from_draft:
-                    run += 1
-                if not from_draft or stop:
-                    drafted = min(m.num_draft, max(self.max_tokens - c.rec.tokens - 1, 1))
-                    c.round(emitted, drafted, run, time.perf_counter())
-                    run = emitted = 0
-                if stop:
-                    break
-            if emitted:  # max_tokens reached inside a round of accepted drafts
-                c.round(emitted, m.num_draft, run, time.perf_counter())
-        detok.finalize()
-        c.rec.text = detok.text
-
+from .bench_runner import Runner, nbytes
+from .prompts import KINDS, Prompt, with_context
 
 # ------------------------------------------------------------------ the benchmark
-
-
-def _numbers(value: Any, name: str, cast: type, minimum: float, example: str) -> list:
-    """A comma-separated string, one number or a sequence, as a list of `cast` >= `minimum`."""
-    kind = "integers" if cast is int else "numbers"
-    if isinstance(value, str):
-        items = value.split(",")
-    elif isinstance(value, (int, float)):
-        items = [value]
-    else:
-        items = list(value)
-    try:
-        out = [cast(x) for x in items]
-        if any(float(x) != y for x, y in zip(items, out, strict=True)):
-            raise ValueError  # 2.5 is not an integer: refuse rather than truncate
-    except ValueError:
-        raise OptionError(f"invalid {name}={value!r}: expected {kind} like {example}") from None
-    if not out or any(x < minimum for x in out):
-        raise OptionError(f"invalid {name}={value!r}: expected {kind} >= {minimum}")
-    return out
-
-
-def _names(value: str | Sequence[str] | None, allowed: Sequence[str], name: str) -> list[str]:
-    if value is None:
-        return list(allowed)
-    items = [x.strip() for x in value.split(",")] if isinstance(value, str) else list(value)
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise OptionError(f"invalid {name}={value!r}: choose from {', '.join(allowed)}")
-    return items
-
-
-def select_prompts(prompts: str, kinds: str | Sequence[str] | None, per_kind: int) -> list[Prompt]:
-    """The built-in prompts or a file's, of the chosen kinds, `per_kind` of each (0: all)."""
-    if prompts == "builtin":
-        return builtin_prompts(_names(kinds, KINDS, "kinds"), per_kind)
-    found = load_prompts(prompts)
-    wanted = _names(kinds, sorted({p.kind for p in found}), "kinds") if kinds else None
-    found = [p for p in found if wanted is None or p.kind in wanted]
-    if per_kind > 0:
-        found = [
-            p for i, p in enumerate(found) if sum(q.kind == p.kind for q in found[:i]) < per_kind
-        ]
-    return found
-
-
-def _nbytes(module: Any) -> int:
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
 
 
 def _loadavg() -> str | None:
@@ -219,11 +64,24 @@ def _loadavg() -> str | None:
         return None
 
 
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def bench(*args: Any, quiet: bool = False, progress: Any = None, **kwargs: Any) -> dict[str, Any]:
+    """Run the benchmark (the arguments are `bench_events`'); returns the result dict that is also
+    written to OUTPUT/bench.json. `progress` is called with every event (default: lines on
+    stderr, none with `quiet`); unless `quiet`, the table is printed at the end."""
+    show = progress or (None if quiet else StderrProgress())
+    result: dict[str, Any] = {}
+    for event in bench_events(*args, **kwargs):
+        if show is not None:
+            show(event)
+        if isinstance(event, Finished):
+            result = event.result
+    if not quiet:
+        print(format_table(result))
+        print("written: " + ", ".join(result["files"]))
+    return result
 
 
-def bench(
+def bench_events(
     target: str | None = None,
     draft: str | None = None,
     prompts: str = "builtin",
@@ -240,68 +98,131 @@ def bench(
     seed: int = 0,
     output: str | Path | None = None,
     charts: bool = True,
-    quiet: bool = False,
-) -> dict[str, Any]:
-    """Run the benchmark; returns the result dict that is also written to OUTPUT/bench.json."""
-    temps = _numbers(temperature, "temperature", float, 0, "0,0.7")
-    ks = _numbers(num_draft, "num_draft", int, 1, "2,4,6")
-    trees = _numbers(tree_nodes, "tree_nodes", int, 1, "4,8") if tree_nodes != "" else []
-    method_names = _names(methods, METHODS, "methods")
+    gguf: str | None = None,
+    draft_gguf: str | None = None,
+) -> Iterator[Note | RunUpdate | Finished]:
+    """The benchmark as a stream of events: notes, each run's progress, then the result.
+
+    `methods`: what runs, exactly (None: every macspec and mlx-lm method, mlx-lm's only where
+    one prompt takes them at most OPT_IN_SECONDS). Speedups are against mlx-lm plain when it
+    ran, else against macspec plain. llama.cpp's rows (named only) run `gguf` (the file the
+    target came from) and `draft_gguf` through xllamacpp."""
+    temps = parse_numbers(temperature, "temperature", float, 0, "0,0.7")
+    ks = parse_numbers(num_draft, "num_draft", int, 1, "2,4,6")
+    trees = parse_numbers(tree_nodes, "tree_nodes", int, 1, "4,8") if tree_nodes != "" else []
+    method_names = (
+        list(DEFAULT_METHODS) if methods is None else parse_names(methods, METHODS, "methods")
+    )
     if max_tokens < 2 or repeats < 1 or context < 0:
         raise OptionError("max_tokens must be >= 2, repeats >= 1 and context >= 0")
     prompt_list = select_prompts(prompts, kinds, per_kind)
-    say = (lambda msg: None) if quiet else _progress
 
-    say("loading models ...")
+    yield Note("loading models ...")
     pairs = load_pairs(target, draft, method_names)
-    pair = pairs["model"]
     runner = Runner(pairs, max_tokens)
-    plan, skipped = plan_methods(method_names, ks, pairs, trees, adaptive_tree_nodes)
-    for s in skipped:
-        say(f"skipping {s['method']}: {s['reason']}")
-
-    weight_bytes = _nbytes(pair.target)
-    say("measuring memory bandwidth ...")
+    peers = unavailable(gguf, draft_gguf) if set(method_names) & set(LLAMACPP) else {}
+    plan, skipped = plan_methods(method_names, ks, pairs, trees, adaptive_tree_nodes, peers)
+    encoded = _encode(prompt_list, pairs["model"], context, max_tokens, skipped)
+    plan = yield from _peers(plan, skipped, methods is None, runner, encoded, gguf, draft_gguf)
+    yield from (Note(f"skipping {s['method']}: {s['reason']}") for s in skipped)
+    yield Note("measuring memory bandwidth ...")
     bandwidth = be.measure_bandwidth()
-    encoded = _encoded(pair, prompt_list, context, max_tokens, skipped, say)
 
-    records = _measure(runner, plan, encoded, temps, repeats, seed, say)
+    # Warm-up: the first call of each method pays one-off set-up costs, so it is not timed.
+    for n, m in enumerate(plan, 1):
+        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", encoded[0][0].name, 0.0, -1, seed)
+        yield from _one_run(runner, m, encoded[0][1][:64], rec, "warm-up", n, len(plan))
+    records: list[RunRecord] = []
+    yield from _measure(runner, plan, encoded, temps, repeats, seed, records)
 
-    settings = {"max_tokens": max_tokens, "context": context, "temperatures": temps}
-    settings |= {"num_draft": ks, "tree_nodes": trees, "adaptive_tree_nodes": adaptive_tree_nodes}
-    settings |= {"repeats": repeats, "seed": seed}
-    result: dict[str, Any] = {
+    settings = dict(
+        max_tokens=max_tokens, context=context, temperatures=temps, num_draft=ks,
+        tree_nodes=trees, adaptive_tree_nodes=adaptive_tree_nodes, repeats=repeats, seed=seed,
+    )  # fmt: skip
+    if runner.llamacpp is not None:
+        settings["llamacpp"] = runner.llamacpp.describe()
+    result = _result(pairs, plan, skipped, records, bandwidth, encoded, settings)
+    result["files"] = [str(f) for f in _write(result, output, charts)]
+    yield Finished(result)
+
+
+def _peers(
+    plan: list[Method],
+    skipped: list[dict[str, str]],
+    by_default: bool,
+    runner: Runner,
+    encoded: list[tuple[Prompt, list[int]]],
+    gguf: str | None,
+    draft_gguf: str | None,
+) -> Generator[Note, None, list[Method]]:
+    """The plan without mlx-lm's rows where a default run would find them too slow (added to
+    `skipped`), with llama.cpp's servers ready where its rows run."""
+    pair = runner.pair
+    if by_default and any(m.method in MLX_LM for m in plan):
+        yield Note("timing one step of mlx-lm's own model (are its rows quick enough?) ...")
+        if reason := opt_in_reason(mlx_lm_step(pair, encoded[0][1][:64]), runner.max_tokens):
+            planned = {m.method for m in plan}
+            skipped += [{"method": n, "reason": reason} for n in MLX_LM if n in planned]
+            plan = [m for m in plan if m.method not in MLX_LM]
+    if any(m.method in LLAMACPP for m in plan):
+        check_vocabulary(Path(gguf), pair.tokenizer)
+        room = max(len(ids) for _, ids in encoded) + runner.max_tokens + 64  # + a round's drafts
+        runner.llamacpp = LlamaCpp(gguf, draft_gguf, runner.max_tokens, room)
+    return plan
+
+
+def _result(
+    pairs: dict[str, Any],
+    plan: list[Method],
+    skipped: list[dict[str, str]],
+    records: list[RunRecord],
+    bandwidth: dict[str, Any],
+    encoded: list[tuple[Prompt, list[int]]],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    weight_bytes = nbytes(pairs["model"].target)
+    return {
         "meta": _meta(pairs, bandwidth, weight_bytes, settings, encoded, plan),
         "skipped": skipped,
-        "summary": summarise(records, weight_bytes, bandwidth["best"]),
+        "summary": summarise(records, weight_bytes, bandwidth["best"], baseline(plan)),
         "runs": [asdict(r) for r in records],
     }
-    result["files"] = [str(f) for f in _write(result, output, charts)]
-    if not quiet:
-        print(format_table(result))
-        print("written: " + ", ".join(result["files"]))
-    return result
 
 
-def _encoded(
-    pair: Any, prompt_list: list, context: int, max_tokens: int, skipped: list, say: Any
-) -> list[tuple[Any, list[int]]]:
-    """(prompt, ids) of each prompt that fits the context with max_tokens after it (after
-    `context` tokens of other questions, like llama-bench -d); the others go to `skipped`."""
+def _encode(
+    prompt_list: list[Prompt], pair: Any, context: int, max_tokens: int, skipped: list[dict]
+) -> list[tuple[Prompt, list[int]]]:
+    """Each prompt's ids (after `context` tokens of other questions); those that do not fit the
+    model's context are added to `skipped`."""
     encoded = []
     for p in prompt_list:
-        if context:
+        if context:  # decode after `context` tokens, like llama-bench -d
             p = with_context(p, lambda q: len(prompt_ids(pair, messages=q.messages)), context)
         ids = prompt_ids(pair, messages=p.messages)
         if len(ids) + max_tokens > pair.context_length:
             reason = f"{len(ids)} prompt tokens + {max_tokens} exceed the context"
             skipped.append({"method": f"prompt {p.name}", "reason": reason})
-            say(f"skipping prompt {p.name}: {reason}")
         else:
             encoded.append((p, ids))
     if not encoded:
         raise OptionError("no prompt fits the model's context: lower --max-tokens")
     return encoded
+
+
+def _one_run(
+    runner: Runner, m: Method, ids: list[int], rec: RunRecord, phase: str, n: int, total: int
+) -> Iterator[RunUpdate]:
+    """One run into `rec`, with its progress after each round and once done."""
+
+    def update(tok_s: float, done: bool) -> RunUpdate:
+        return RunUpdate(
+            phase, n, total, m.label, rec.prompt, rec.temperature, rec.repeat, rec.tokens, tok_s,
+            done,
+        )  # fmt: skip
+
+    for counter in runner.run(m, ids, rec.temperature, rec.seed, rec):
+        yield update(counter.rate(time.perf_counter()), False)
+    yield update(rec.decode_tokens / rec.decode_time if rec.decode_time else 0.0, True)
 
 
 def _measure(
@@ -311,15 +232,10 @@ def _measure(
     temps: list[float],
     repeats: int,
     seed: int,
-    say: Any,
-) -> list[RunRecord]:
-    """Every method of the plan on every prompt at every temperature, `repeats` times, after
-    one untimed warm-up call of each (the first call of a method pays one-off set-up costs)."""
-    say("warming up ...")
-    for m in plan:
-        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", "", 0.0, -1, seed)
-        runner.run(m, encoded[0][1][:64], 0.0, seed, rec)
-    records: list[RunRecord] = []
+    records: list[RunRecord],
+) -> Iterator[RunUpdate]:
+    """Every method of the plan on every prompt at every temperature, `repeats` times, into
+    `records`."""
     total = repeats * len(temps) * len(encoded) * len(plan)
     # Methods interleave per prompt, so drift in machine load hits them all alike.
     for rep in range(repeats):
@@ -330,14 +246,8 @@ def _measure(
                     rec = RunRecord(
                         m.method, m.label, m.num_draft, p.kind, p.name, temp, rep, run_seed
                     )
-                    runner.run(m, ids, temp, run_seed, rec)
+                    yield from _one_run(runner, m, ids, rec, "run", len(records) + 1, total)
                     records.append(rec)
-                    rate = rec.decode_tokens / rec.decode_time if rec.decode_time else 0.0
-                    say(
-                        f"[{len(records)}/{total}] T={temp} {m.label:<22} {p.name:<12} "
-                        f"rep {rep + 1}: {rec.tokens} tokens, {rate:.1f} tok/s"
-                    )
-    return records
 
 
 def _meta(
@@ -364,6 +274,7 @@ def _meta(
         "bandwidth_gbs": bandwidth["best"],
         "bandwidth": bandwidth,
         "target_weight_bytes": weight_bytes,
+        "baseline": baseline(plan),
         **settings,
         "loadavg": _loadavg(),
         "kinds": list(dict.fromkeys(p.kind for p, _ in encoded)),
@@ -433,7 +344,14 @@ def register(subparsers: Any) -> None:
         help="let the adaptive row weigh trees of up to this many nodes (0 = chains)",
     )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--methods", help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument(
+        "--methods",
+        help=f"comma-separated subset of {', '.join(METHODS)}: exactly these run (default: "
+        "macspec's and mlx-lm's, mlx-lm's only where they take at most a minute a prompt; "
+        "llama.cpp's run only when named, with --gguf and the optional package xllamacpp)",
+    )
+    p.add_argument("--gguf", help="llama.cpp's rows: the GGUF file the target was converted from")
+    p.add_argument("--draft-gguf", help="llamacpp_draft: the draft's GGUF file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="directory for bench.json and the charts (default runs/...)")
     p.add_argument("--no-charts", dest="charts", action="store_false")

@@ -1,6 +1,6 @@
 """`macspec bench`'s results: the record of each run (filled round by round), the summary rows
-(speedup against mlx-lm's plain decoding), the terminal table and the charts.
-scripts/bench_readme.py reads the same rows (iter_rows, find_row).
+(speedup against the run's baseline: mlx-lm's plain decoding, else macspec's), the terminal table
+and the charts. scripts/bench_readme.py reads the same rows (iter_rows, find_row).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from .prompts import KINDS
 
-BASELINE = "mlx_lm"  # every speedup is against mlx-lm's own plain decoding
+LABELS = {"mlx_lm": "mlx-lm plain", "macspec_plain": "macspec plain"}  # the possible baselines
 
 
 @dataclass
@@ -73,6 +73,12 @@ class Recorder:
             rec.decode_tokens += emitted
         self.last_at = now
 
+    def rate(self, now: float) -> float:
+        """Tokens per second after the first target pass, so far."""
+        if self.first_at is None or now <= self.first_at:
+            return 0.0
+        return self.rec.decode_tokens / (now - self.first_at)
+
     def finish(self) -> None:
         if self.first_at is not None:
             self.rec.decode_time = self.last_at - self.first_at
@@ -101,15 +107,19 @@ def _median_min_max(values: list[float]) -> dict[str, float]:
 
 
 def summarise(
-    records: list[RunRecord], weight_bytes: int, bandwidth_gbs: float
+    records: list[RunRecord],
+    weight_bytes: int,
+    bandwidth_gbs: float,
+    baseline: str | None = "mlx_lm",
 ) -> list[dict[str, Any]]:
-    """One row per (temperature, method, kind), kind "all" included; speedup vs mlx-lm plain."""
+    """One row per (temperature, method, kind), kind "all" included; speedup and round cost
+    against the `baseline` method (None: no speedups)."""
     groups: dict[tuple, list[RunRecord]] = {}
     for r in records:
         for kind in (r.kind, "all"):
             groups.setdefault((r.temperature, r.label, kind), []).append(r)
     rows = [_row(*key, recs, weight_bytes, bandwidth_gbs) for key, recs in groups.items()]
-    _against_baseline(rows)
+    _against_baseline(rows, baseline)
     order = {label: i for i, label in enumerate(dict.fromkeys(rec.label for rec in records))}
     kinds = {k: i for i, k in enumerate([*KINDS, "all"])}
     rows.sort(key=lambda r: (r["temperature"], order[r["label"]], kinds.get(r["kind"], -1)))
@@ -162,6 +172,7 @@ def _row(
     tok_s = _per_repeat(recs, lambda r: r.decode_tokens)
     passes_s = _per_repeat(recs, lambda r: r.passes)
     first = recs[0]
+    passes = sum(r.passes for r in recs)  # 0: unknown (llama.cpp's speculative rows)
     weight_gbs = statistics.median(passes_s) * weight_bytes / 1e9 if passes_s else 0.0
     return {
         "temperature": temp,
@@ -177,23 +188,24 @@ def _row(
         "time_split": _time_split(recs),
         "peak_memory_bytes": max(r.peak_memory for r in recs),
         "target_passes_per_s": statistics.median(passes_s) if passes_s else 0.0,
-        "rows_per_pass": sum(r.rows for r in recs) / max(1, sum(r.passes for r in recs)),
+        "rows_per_pass": sum(r.rows for r in recs) / passes if passes else None,
         "weight_read_gbs": weight_gbs,
-        "bandwidth_fraction": weight_gbs / bandwidth_gbs if bandwidth_gbs else None,
+        # None where passes are unknown (llama.cpp's speculative rows)
+        "bandwidth_fraction": weight_gbs / bandwidth_gbs if bandwidth_gbs and weight_gbs else None,
     }
 
 
-def _against_baseline(rows: list[dict[str, Any]]) -> None:
-    """Each row's speedup and round cost against mlx-lm plain at its temperature and kind."""
+def _against_baseline(rows: list[dict[str, Any]], baseline: str | None) -> None:
+    """Each row's speedup and round cost against `baseline` at its temperature and kind."""
     base = {
         (r["temperature"], r["kind"]): r["tok_s"]["median"]
         for r in rows
-        if r["method"] == BASELINE and r["tok_s"]
+        if r["method"] == baseline and r["tok_s"]
     }
     base_passes = {
         (r["temperature"], r["kind"]): r["target_passes_per_s"]
         for r in rows
-        if r["method"] == BASELINE
+        if r["method"] == baseline
     }
     for r in rows:
         b = base.get((r["temperature"], r["kind"]))
@@ -218,8 +230,9 @@ def format_table(result: dict[str, Any]) -> str:
         tokens = [p["tokens"] for p in meta["prompts"]]
         out.append(f"decoding after {min(tokens)}-{max(tokens)} tokens of prompt")
     width = max([26, *(len(r["label"]) + 2 for r in rows)])  # labels such as "(copies<=8)"
+    base = baseline_label(meta)
     for temp in meta["temperatures"]:
-        out.append(f"\ntemperature {temp}")
+        out.append(f"\ntemperature {temp}" + (f" (speedup vs {base})" if base else ""))
         head = f"{'method':<{width}}{'tok/s median (min-max)':>25}"
         head += f"{'speedup':>9}{'accept':>8}{'len':>6}{'rows':>6}{'round':>7}"
         head += "".join(f"{k[:8]:>9}" for k in kinds)
@@ -239,14 +252,24 @@ def format_table(result: dict[str, Any]) -> str:
             s = r["time_split"]
             split = f"{s['draft']:.0%}/{s['verify']:.0%}/{s['other']:.0%}" if s else "-"
             bw = r["bandwidth_fraction"]
-            line += f"{split:>20}{r['peak_memory_bytes'] / 1e6:>9.0f}"
+            peak = r["peak_memory_bytes"]  # 0: not measured (llama.cpp's rows)
+            line += f"{split:>20}" + (f"{peak / 1e6:>9.0f}" if peak else f"{'-':>9}")
             line += f"{r['weight_read_gbs']:>8.2f} ({bw:.0%})" if bw is not None else f"{'-':>14}"
             out.append(line)
     for s in result["skipped"]:
         out.append(f"skipped {s['method']}: {s['reason']}")
-    out.append("speedup per kind and overall: against mlx-lm plain at the same temperature")
-    out.append("round: seconds a round takes (draft, verify, rewind), in mlx-lm plain steps")
+    if base is None:
+        out.append("no speedups: neither mlx_lm nor macspec_plain ran (add one to --methods)")
+    else:
+        out.append(f"speedup per kind and overall: against {base} at the same temperature")
+        out.append(f"round: seconds a round takes (draft, verify, rewind), in {base} steps")
     return "\n".join(out)
+
+
+def baseline_label(meta: dict[str, Any]) -> str | None:
+    """The label of the method a run's speedups are against (older runs: mlx-lm's plain)."""
+    name = meta.get("baseline", "mlx_lm")
+    return LABELS.get(name) if name else None
 
 
 def _fmt(value: float | None, unit: str, digits: int = 2) -> str:
@@ -272,12 +295,13 @@ def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:
 def _speedup_chart(plt: Any, result: dict[str, Any], path: Path) -> None:
     rows, temps = result["summary"], result["meta"]["temperatures"]
     kinds = [*result["meta"]["kinds"], "all"]
+    base = baseline_label(result["meta"])
     fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 4.2), squeeze=False)
     for ax, temp in zip(axes[0], temps, strict=True):
         labels = [
             lab
             for lab in dict.fromkeys(r["label"] for r in rows if r["temperature"] == temp)
-            if not lab.startswith("mlx-lm plain")
+            if lab != base
         ]
         width = 0.8 / max(len(labels), 1)
         for i, lab in enumerate(labels):
@@ -297,7 +321,7 @@ def _speedup_chart(plt: Any, result: dict[str, Any], path: Path) -> None:
                 ax.errorbar(xs, ys, yerr=spread, fmt="none", ecolor="black", lw=0.8, capsize=2)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(kinds))], kinds)
-        ax.set_ylabel("speedup vs mlx-lm plain")
+        ax.set_ylabel(f"speedup vs {base}" if base else "no baseline run")
         ax.set_title(f"temperature {temp}")
     # One legend under the plots, where it hides no bar.
     handles, names = axes[0][0].get_legend_handles_labels()
