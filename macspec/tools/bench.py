@@ -127,11 +127,6 @@ def bench_events(
     yield from (Note(f"skipping {s['method']}: {s['reason']}") for s in skipped)
     yield Note("measuring memory bandwidth ...")
     bandwidth = be.measure_bandwidth()
-
-    # Warm-up: the first call of each method pays one-off set-up costs, so it is not timed.
-    for n, m in enumerate(plan, 1):
-        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", encoded[0][0].name, 0.0, -1, seed)
-        yield from _one_run(runner, m, encoded[0][1][:64], rec, "warm-up", n, len(plan))
     records: list[RunRecord] = []
     yield from _measure(runner, plan, encoded, temps, repeats, seed, records)
 
@@ -235,7 +230,11 @@ def _measure(
     records: list[RunRecord],
 ) -> Iterator[RunUpdate]:
     """Every method of the plan on every prompt at every temperature, `repeats` times, into
-    `records`."""
+    `records`, after one untimed warm-up run of each."""
+    # Warm-up: the first call of each method pays one-off set-up costs, so it is not timed.
+    for n, m in enumerate(plan, 1):
+        rec = RunRecord(m.method, m.label, m.num_draft, "warmup", encoded[0][0].name, 0.0, -1, seed)
+        yield from _one_run(runner, m, encoded[0][1][:64], rec, "warm-up", n, len(plan))
     total = repeats * len(temps) * len(encoded) * len(plan)
     # Methods interleave per prompt, so drift in machine load hits them all alike.
     for rep in range(repeats):
