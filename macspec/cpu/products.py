@@ -143,7 +143,7 @@ def float32_activations(model: nn.Module) -> bool:
     modules = list(model.named_modules())
     if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in modules):
         return False
-    changed = False
+    converted = []
     for _, m in modules:
         keep = ("scales", "biases") if isinstance(m, nn.QuantizedLinear) else ()
         for name, value in m.items():
@@ -153,5 +153,8 @@ def float32_activations(model: nn.Module) -> bool:
                 and name not in keep
             ):
                 m[name] = value.astype(mx.float32)
-                changed = True
-    return changed
+                converted.append(m[name])
+    # Converted now, not in the first pass: a lazy array runs on the stream of the thread that
+    # built it, and MLX streams are per thread (a server generates on a thread of its own).
+    mx.eval(converted)
+    return bool(converted)
