@@ -139,6 +139,13 @@ NATIVE_PRODUCTS = Switch(
     "native weight products of up to 16 rows (off: mlx's BLAS and quantized products)",
     at_import=True,
 )
+INT8_ACTIVATIONS = Switch(
+    "MACSPEC_INT8_ACTIVATIONS",
+    "flag",
+    True,
+    "quantized native products take int8 activations and integer dot products (off: float ones)",
+    at_import=True,
+)
 NATIVE_LAYERS = Switch(
     "MACSPEC_NATIVE_LAYERS",
     "flag",
@@ -176,6 +183,7 @@ ALL = (
     NATIVE,
     NATIVE_THREADS,
     NATIVE_PRODUCTS,
+    INT8_ACTIVATIONS,
     NATIVE_LAYERS,
     NATIVE_BLOCKS,
     DIST_TIMEOUT,

@@ -198,6 +198,23 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_floor_counts_the_weights_a_pass_reads(tmp_path):
+    """Every weight once, but an input embedding apart from the output head only looked up."""
+    import mlx.core as mx
+    from tinymodels import make_tiny_model
+
+    from macspec.tools.doctor import verify_costs
+
+    for tie in (True, False):
+        model = make_tiny_model(tmp_path / str(tie), seed=1, hidden=64, vocab_rows=4096, tie=tie)
+        weights = mx.load(str(model / "model.safetensors"))
+        every = sum(v.nbytes for v in weights.values())
+        read = sum(v.nbytes for k, v in weights.items() if tie or "embed_tokens" not in k)
+        costs = verify_costs(str(model), rows=(1,), repeats=1)
+        assert costs["weights_mb"] == round(read / 1e6, 1)
+        assert (round(every / 1e6, 1) == costs["weights_mb"]) is tie
+
+
 def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
     """qwen3_5 wraps its decoder (`model.language_model`): pass times, no split, no crash."""
     from archzoo import make_arch_model

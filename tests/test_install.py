@@ -79,7 +79,7 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     # the native kernels' sources, built on the user's machine
     assert {
         f"macspec/cpu/csrc/{n}"
-        for n in ("cpu_linear.cpp", "cpu_qlinear.cpp", "cpu_layer.cpp", "common.h", "layer.h")
+        for n in ("cpu_linear.cpp", "cpu_qint8.cpp", "cpu_layer.cpp", "common.h", "qdot.h")
     } <= names
 
 

@@ -37,9 +37,11 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
 SOURCES = (
     SOURCE,
-    *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("qlinear", "layer", "attention", "block")),
+    *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention", "block", "qfloat", "qint8")),
 )
-HEADERS = tuple(SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16"))
+HEADERS = tuple(
+    SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16", "quant", "qdot")
+)
 MODULE = "_macspec_cpu"
 
 _module: ModuleType | None = None
@@ -167,6 +169,10 @@ def _self_test(ext: ModuleType) -> None:
     for g, r in zip(got, want, strict=True):
         if not mx.allclose(g, r, rtol=1e-4, atol=1e-3).item():
             raise RuntimeError("its products differ from mlx's on this machine")
+    # int8 activations: x rounded to 1/254 of each group's largest value, no more
+    int8 = ext.qlinear(x, wq, s, b, 32, 4, int8=True)
+    if not mx.allclose(int8, want[1], rtol=0.0, atol=0.02 * mx.abs(want[1]).max().item()).item():
+        raise RuntimeError("its int8 products differ from mlx's on this machine")
 
 
 def _why_not(cxx: str | None) -> str | None:

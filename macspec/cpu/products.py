@@ -5,8 +5,10 @@ backend hands float32 products to BLAS, whose sgemm packs the weights before mul
 copy as large as the weights, every call), and runs quantized ones in scalar code on x86 (no SIMD
 there; with float16 activations each multiply-add is emulated). The native extension
 (native.py) streams each weight matrix once for all rows, on every core, from float32 or MLX's
-affine 4/8-bit layout. Off the CPU backend, without the extension, or for more rows than
-`MAX_ROWS` (prompt chunks: BLAS is faster there) mlx's own ops run.
+affine 4/8-bit layout; quantized products quantize the rows to int8 and take integer dot products
+(AVX-512 VNNI, AVX-VNNI or AVX2), unless switches.INT8_ACTIVATIONS is off. Off the CPU backend,
+without the extension, or for float32 products of more rows than `MAX_ROWS` (prompt chunks: BLAS
+is faster there) mlx's own ops run.
 
 Every row's result is computed in the same order whatever the number of rows, so a plain step
 and a verification pass agree bit for bit on their products.
@@ -28,6 +30,10 @@ from . import native
 MAX_ROWS = 16
 
 _enabled = switches.NATIVE_PRODUCTS.value()
+# Off: quantized products take float activations (the weights unpacked to float32) instead of
+# int8 ones with integer dot products, llama.cpp's choice on CPUs too. Int8 moves the logits
+# slightly, for plain and speculative decoding alike: exactness is relative to the target as run.
+int8_activations = switches.INT8_ACTIVATIONS.value()
 
 
 def enabled() -> bool:
@@ -90,10 +96,14 @@ def linear_call(self: nn.Linear, x: mx.array) -> mx.array:
     return type(self)._macspec_stock.__call__(self, x)
 
 
+def _qlinear(ext: Any, m: nn.Module, x: mx.array) -> mx.array:
+    return ext.qlinear(x, m.weight, m.scales, m.biases, m.group_size, m.bits, int8=int8_activations)
+
+
 def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     ext = _ext(x)
     if ext is not None and _quantized_ok(self):
-        y = ext.qlinear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        y = _qlinear(ext, self, x)
         return y + self["bias"] if "bias" in self else y
     return type(self)._macspec_stock.__call__(self, x)
 
@@ -108,7 +118,7 @@ def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
 def quantized_embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     ext = _ext(x)
     if ext is not None and _quantized_ok(self):
-        return ext.qlinear(x, self.weight, self.scales, self.biases, self.group_size, self.bits)
+        return _qlinear(ext, self, x)
     return type(self)._macspec_stock.as_linear(self, x)
 
 
@@ -133,7 +143,7 @@ def float32_activations(model: nn.Module) -> bool:
     modules = list(model.named_modules())
     if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in modules):
         return False
-    changed = False
+    converted = []
     for _, m in modules:
         keep = ("scales", "biases") if isinstance(m, nn.QuantizedLinear) else ()
         for name, value in m.items():
@@ -143,5 +153,8 @@ def float32_activations(model: nn.Module) -> bool:
                 and name not in keep
             ):
                 m[name] = value.astype(mx.float32)
-                changed = True
-    return changed
+                converted.append(m[name])
+    # Converted now, not in the first pass: a lazy array runs on the stream of the thread that
+    # built it, and MLX streams are per thread (a server generates on a thread of its own).
+    mx.eval(converted)
+    return bool(converted)

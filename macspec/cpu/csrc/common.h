@@ -8,6 +8,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -213,6 +214,19 @@ class Pool {
   std::atomic<int> sleepers_{0};
 };
 
+
+// Rows per chunk: ~64 KB of weights (a few microseconds), a multiple of 16 rows, and at
+// least four chunks for the threads to share when the matrix allows.
+inline int chunk_rows(int N, int row_bytes) {
+  int rows = std::max(16, (65536 / std::max(row_bytes, 1)) / 16 * 16);
+  while (rows > 16 && (N + rows - 1) / rows < 4) {
+    rows -= 16;
+  }
+  while ((N + rows - 1) / rows > 65535) {  // the pool counts chunks in 16 bits
+    rows *= 2;
+  }
+  return rows;
+}
 
 // The stream every macspec primitive runs on.
 inline mx::Stream cpu_stream() {

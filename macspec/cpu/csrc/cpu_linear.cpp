@@ -1,7 +1,8 @@
 // Matrix products for a few rows on MLX's CPU backend: y = x @ W.T for float32 W, and for MLX's
-// affine 4- and 8-bit quantized W (their kernels: cpu_qlinear.cpp). One pass over the weights serves every row (verifying K
-// drafts reads them once), split over the cores. Built on the user's machine by
-// macspec/cpu/native.py with -march=native; macspec falls back to mlx's own ops without it.
+// affine 4- and 8-bit quantized W (their kernels: cpu_qfloat.cpp and cpu_qint8.cpp). One pass over
+// the weights serves every row (verifying K drafts reads them once), split over the cores. Built on
+// the user's machine by macspec/cpu/native.py with -march=native; macspec falls back to mlx's own
+// ops without it.
 //
 // Each output y[m, n] is computed in the same order whatever the number of rows and threads, so a
 // plain step and a verification row give bit-identical results for identical inputs.
@@ -36,6 +37,7 @@
 #include "mlx/utils.h"
 #include "common.h"
 #include "linear.h"
+#include "quant.h"
 #include "vec16.h"
 
 namespace mx = mlx::core;
@@ -132,7 +134,6 @@ static void f32_dispatch(
   }
 }
 
-
 void f32_products(const Product* products, int count) {
   if (count < 1 || count > 8) {
     throw std::invalid_argument("[macspec products] 1 to 8 products in one job");
@@ -163,8 +164,9 @@ void f32_products(const Product* products, int count) {
 
 class SmallLinear : public mx::UnaryPrimitive {
  public:
-  SmallLinear(mx::Stream stream, int bits, int group_size)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size) {}
+  // bits 32: float32 W; 4 or 8: MLX's affine layout, with int8 activations if `int8`.
+  SmallLinear(mx::Stream stream, int bits, int group_size, bool int8 = false)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_size_(group_size), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -190,13 +192,24 @@ class SmallLinear : public mx::UnaryPrimitive {
       });
       return;
     }
-    const auto& scales = inputs[2];
-    switch (scales.dtype()) {
-      case mx::float32: dispatch_q<float>(inputs, y, M, N, K, encoder); break;
-      case mx::float16: dispatch_q<mx::float16_t>(inputs, y, M, N, K, encoder); break;
-      case mx::bfloat16: dispatch_q<mx::bfloat16_t>(inputs, y, M, N, K, encoder); break;
+    ScaleType type;
+    switch (inputs[2].dtype()) {
+      case mx::float32: type = ScaleType::f32; break;
+      case mx::float16: type = ScaleType::f16; break;
+      case mx::bfloat16: type = ScaleType::bf16; break;
       default: throw std::runtime_error("[macspec linear] unsupported scale type");
     }
+    QProduct q{inputs[1].data<uint8_t>(), inputs[2].data<void>(), inputs[3].data<void>(),
+                     type, nullptr, y, M, N, K, bits_, group_size_};
+    encoder.dispatch([x = inputs[0], q, int8 = int8_ && int8_isa() != nullptr]() mutable {
+      std::vector<float> scratch;
+      q.x = rows_of(x, scratch);
+      if (int8) {
+        q_int8_products(q);
+      } else {
+        q_float_products(q);
+      }
+    });
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -215,35 +228,13 @@ class SmallLinear : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const SmallLinear&>(other);
-    return bits_ == o.bits_ && group_size_ == o.group_size_;
+    return bits_ == o.bits_ && group_size_ == o.group_size_ && int8_ == o.int8_;
   }
 
  private:
-  template <typename S>
-  void dispatch_q(
-      const std::vector<mx::array>& inputs,
-      float* y,
-      int M,
-      int N,
-      int K,
-      mx::cpu::CommandEncoder& encoder) {
-    encoder.dispatch([x = inputs[0],
-                      Wq = inputs[1].data<uint8_t>(),
-                      sc = inputs[2].data<S>(),
-                      bi = inputs[3].data<S>(),
-                      y,
-                      M,
-                      N,
-                      K,
-                      bits = bits_,
-                      G = group_size_]() {
-      std::vector<float> scratch;
-      q_products<S>(Wq, sc, bi, rows_of(x, scratch), y, M, N, K, bits, G);
-    });
-  }
-
   int bits_;
   int group_size_;
+  bool int8_;
 };
 
 mx::array linear(const mx::array& x, const mx::array& w) {
@@ -263,7 +254,8 @@ mx::array qlinear(
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits) {
+    int bits,
+    bool int8) {
   int K = x.shape(-1);
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || w.ndim() != 2 ||
       (bits != 4 && bits != 8) ||
@@ -278,7 +270,7 @@ mx::array qlinear(
   return mx::array(
       shape,
       mx::float32,
-      std::make_shared<SmallLinear>(cpu_stream(), bits, group_size),
+      std::make_shared<SmallLinear>(cpu_stream(), bits, group_size, int8),
       {x, w, scales, biases});
 }
 
@@ -300,7 +292,12 @@ NB_MODULE(_macspec_cpu, m) {
       nb::arg("scales"),
       nb::arg("biases"),
       nb::arg("group_size"),
-      nb::arg("bits"));
+      nb::arg("bits"),
+      nb::arg("int8") = false);
+  m.def("int8_isa", []() -> nb::object {  // the int8 products' instructions, or None
+    const char* isa = macspec::int8_isa();
+    return isa ? nb::object(nb::str(isa)) : nb::none();
+  });
   m.def("threads", [] { return macspec::Pool::get().threads(); });
   m.def("set_threads", [](int n) { macspec::Pool::get().set_threads(n); });
   m.def("set_spin_us", [](int us) { macspec::Pool::get().set_spin_us(us); });
