@@ -13,10 +13,9 @@ import mlx.core as mx
 
 from . import chat_template
 from .core import (
-    AdaptiveK,
-    AdaptiveTree,
     FixedK,
     FixedTree,
+    Observed,
     Round,
     TreeShape,
     adaptive,
@@ -55,6 +54,7 @@ class RoundEvent:
     comm_time: float = 0.0  # distributed target: seconds of this round spent communicating
     stats: GenerationStats | None = None
     rows: int = 1  # ids the target's pass verified (drafts + 1; a token tree: its nodes + 1)
+    drafter: str = ""  # what drafted this round ("model", "ngram", ...; "": a plain step)
 
     @property
     def speedup(self) -> float | None:
@@ -85,6 +85,20 @@ class GenerationStats:
     cached_tokens: int = (
         0  # prompt ids restored from the prompt cache (core/caches/prompt_cache.py)
     )
+    # Rounds and tokens per arm: (drafter, K, rounds, tokens), drafter "plain" (K 0) for plain
+    # steps, else the registry name of what drafted ("model", "ngram", ...) and the drafts it
+    # proposed; ordered plain first, then by drafter and K.
+    arms: tuple[tuple[str, int, int, int], ...] = ()
+
+    def arms_line(self) -> str:
+        """Which drafter and K the rounds used: "plain 40, model K=2 5 (9 tok), ..."."""
+        parts = []
+        for name, k, rounds, tokens in self.arms:
+            if name == "plain":
+                parts.append(f"plain {rounds}")
+            else:
+                parts.append(f"{name} K={k} {rounds} ({tokens} tok)")
+        return ", ".join(parts)
 
     @property
     def speedup(self) -> float | None:
@@ -104,6 +118,7 @@ class GenerationStats:
         if self.drafted:
             parts.append(f"acceptance {self.acceptance_rate:.0%}")
             parts.append(f"{self.mean_accepted_length:.2f} tokens/round")
+            parts.append(f"rounds by arm: {self.arms_line()}")
         return ", ".join(parts)
 
 
@@ -126,6 +141,7 @@ class _StatsCounter:
         self.cached_tokens = 0
         self.drafted_at: list[int] = []
         self.accepted_at: list[int] = []
+        self.arms: dict[tuple[str, int], list[int]] = {}  # (drafter, K) -> [rounds, tokens]
 
     def add(self, r: Round, emitted: int) -> None:
         self.rounds += 1
@@ -136,6 +152,8 @@ class _StatsCounter:
         self.verify_time += r.verify_time
         self.total_time += r.round_time
         self.plain_step_time = r.plain_step_time
+        arm = self.arms.setdefault((r.drafter or "plain", r.num_draft), [0, 0])
+        arm[0], arm[1] = arm[0] + 1, arm[1] + emitted
         if r.num_draft:
             self.spec_rounds += 1
             self.spec_emitted += emitted
@@ -168,6 +186,12 @@ class _StatsCounter:
             plain_step_time=self.plain_step_time,
             seed=self.seed,
             cached_tokens=self.cached_tokens,
+            arms=tuple(
+                (name, k, n, tokens)
+                for (name, k), (n, tokens) in sorted(
+                    self.arms.items(), key=lambda a: (a[0][0] != "plain", a[0])
+                )
+            ),
         )
 
 
@@ -297,6 +321,7 @@ class GenerationStream:
             comm_time=r.comm_time,
             stats=self._counter.stats(),
             rows=r.rows,
+            drafter=r.drafter,
         )
 
     def stats(self) -> GenerationStats:
@@ -337,8 +362,13 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
 
 
-def _policy(opts: GenerationOptions, pair: Pair) -> AdaptiveK | AdaptiveTree:
-    return adaptive(opts.num_draft, pair.costs, opts.tree_nodes)
+def _policy(opts: GenerationOptions, pair: Pair) -> Observed:
+    """The adaptive policy priced by the measured costs, checked against the round times this
+    pair observes; the costs' plain step counts as the first plain step seen."""
+    seen = pair.observations
+    if not seen.plain.rounds:
+        seen.plain.add(pair.costs.plain_step, 1)
+    return Observed(adaptive(opts.num_draft, pair.costs, opts.tree_nodes), seen)
 
 
 def _fixed(opts: GenerationOptions) -> FixedK | FixedTree:

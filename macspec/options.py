@@ -34,7 +34,7 @@ class GenerationOptions:
     tree_nodes: int = _opt(
         0, "draft token trees of up to this many candidates (depth K) where they pay; 0 = chains"
     )
-    seed: int | None = _opt(None, "random seed: the same seed gives the same tokens")
+    seed: int | None = _opt(None, "random seed (adaptive K follows timings: fix K to repeat)")
     stop: tuple[str, ...] = _opt((), "stop at this string (repeatable)", flag="--stop")
     speculative: bool = _opt(True, "decode plainly, with no drafts", flag="--no-speculation")
     adaptive: bool = _opt(

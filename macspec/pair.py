@@ -23,6 +23,7 @@ from .core import (
     HybridDrafter,
     ModelDrafter,
     NgramDrafter,
+    Observations,
     PromptCache,
     Timing,
     caches,
@@ -49,6 +50,8 @@ class Pair:
     context_length: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     timing: Timing = field(default_factory=Timing)
+    # Round times per arm (plain, each drafter and K), kept across generations (core/observed.py)
+    observations: Observations = field(default_factory=Observations)
     costs: Costs | None = None  # measured at load (distributed, measure=False: at first use)
     calibration_time: float = 0.0  # seconds load() spent measuring them
     group: mx.distributed.Group | None = None  # the target is sharded over it (core/sharded.py)

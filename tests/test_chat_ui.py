@@ -287,7 +287,8 @@ def test_plain_mode_streams_ansi_coloured_answer(chat_pair, capsys):
     want = expected_text(chat_pair, [{"role": "user", "content": "hello there"}], **OPTS40)
     assert "\n".join(lines[1:-2]) == want
     summary = (
-        r"\[40 tokens in \d+ rounds, .*acceptance \d+%, [\d.]+ tokens/round; max tokens reached\]"
+        r"\[40 tokens in \d+ rounds, .*acceptance \d+%, [\d.]+ tokens/round, "
+        r"rounds by arm: plain \d+(, \w+ K=\d+ \d+ \(\d+ tok\))+; max tokens reached\]"
     )
     assert re.fullmatch(summary, lines[-2])
 
@@ -431,8 +432,8 @@ def test_plain_mode_reuses_the_prompt_cache_too(chat_pair):
 
 
 def test_reply_says_what_the_last_round_verified_and_kept(chat_pair):
-    """A chain round: kept of drafted; a token tree (more nodes than depth): its nodes and the
-    accepted path's depth."""
+    """A chain round: who drafted, kept of drafted; a token tree (more nodes than depth): its
+    nodes and the accepted path's depth; a plain step says so."""
     prompt = chat_prompt(chat_pair.tokenizer, [{"role": "user", "content": "hello there"}])
     for options, tree in ((FIXED, False), ({**FIXED, "tree_nodes": 6}, True)):
         reply, shown = Reply(), []
@@ -441,9 +442,12 @@ def test_reply_says_what_the_last_round_verified_and_kept(chat_pair):
             if event.rows > 1:
                 shown.append(reply.last_round)
                 drafts, kept = event.rows - 1, len(event.accepted)
+                assert event.drafter in ("model", "ngram")  # who drafted, named
                 assert reply.last_round in (
-                    f"tree {drafts}: depth {kept}",
-                    f"{kept} of {drafts} kept",
+                    f"{event.drafter} tree {drafts}: depth {kept}",
+                    f"{event.drafter} {kept} of {drafts} kept",
                 )
-        trees = [s for s in shown if s.startswith("tree 6: depth ")]
+            else:
+                assert reply.last_round == "plain step"
+        trees = [s for s in shown if s.startswith("model tree 6: depth ")]
         assert shown and (bool(trees) == tree), shown

@@ -161,6 +161,9 @@ class Alternate:
     def observe(self, k, accepted):
         pass
 
+    def observe_time(self, k, tokens, seconds):
+        pass
+
     def expects_plain(self):
         return True
 

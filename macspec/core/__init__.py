@@ -7,6 +7,7 @@ mlx, mlx-lm, numpy and the project's errors and switches, and reads no file and 
     sampling.py   one distribution for draft and target
     tree.py       token trees: drafted by level, verified in one pass, walked exactly
     policy.py     fixed and adaptive K (and trees), priced by measured costs
+    observed.py   the adaptive choice checked against the round times this run observes
     measure.py    what a step, a draft token and a K-wide pass cost here
     sharded.py    a target sharded over mlx.launch ranks
     memory.py     Metal hygiene: wired memory while generating, the buffer cache emptied
@@ -32,6 +33,7 @@ from .drafters import (
 from .loaded import LoadedPair
 from .loop import Round, Timing, generate_rounds
 from .measure import calibrate
+from .observed import Observations, Observed
 from .policy import AdaptiveK, AdaptiveTree, Costs, FixedK, FixedTree, adaptive
 from .sampling import SamplingOptions
 from .sharded import guard, load_sharded, make_target
@@ -49,6 +51,8 @@ __all__ = [
     "LoadedPair",
     "ModelDrafter",
     "NgramDrafter",
+    "Observations",
+    "Observed",
     "PromptCache",
     "Round",
     "SamplingOptions",

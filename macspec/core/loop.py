@@ -44,6 +44,7 @@ class Round:
     rows: int = 1  # ids the target's pass verified (a chain: drafts + 1; a tree: its nodes + 1)
     cached_tokens: int = 0  # prompt ids the prompt cache held (not read again), first round
     comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
+    drafter: str = ""  # the registry name of what drafted this round ("": a plain step)
 
 
 class Timing:
@@ -104,6 +105,7 @@ def generate_rounds(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch
                 )
                 ready = perf_counter()
+                policy.observe_time(k, v.n + 1, ready - t0)
                 emitted = (v.drafts[: v.n] + [v.token])[:room]
                 history += emitted
                 steady = True
@@ -188,6 +190,12 @@ class _Verdict:
     verify_time: float
     num_draft: int
     rows: int
+    drafter: str = ""
+
+
+def _drafter_name(drafter: Drafter) -> str:
+    """What drafted the last proposal (a hybrid's copy or its model)."""
+    return getattr(drafter, "used", drafter).name
 
 
 def _verify(
@@ -212,14 +220,16 @@ def _verify(
         below = path[-1] if path else -1
         drafts = [tr.tokens[i] for i in path] + [tr.tokens[i] for i in tr.children(below)]
         depth = max(tr.depths, default=0)
-        return _Verdict(drafts, len(path), token, draft_time, verify_time, depth, len(tr) + 1)
+        name = _drafter_name(drafter)
+        return _Verdict(drafts, len(path), token, draft_time, verify_time, depth, len(tr) + 1, name)
     if k > 0:
         drafts, n, token, draft_time, verify_time = speculative_round(
             target, drafter, last, k, dist, key
         )
         policy.observe(len(drafts), n)
         rows = len(drafts) + 1 if drafts else 1
-        return _Verdict(drafts, n, token, draft_time, verify_time, len(drafts), rows)
+        name = _drafter_name(drafter) if drafts else ""
+        return _Verdict(drafts, n, token, draft_time, verify_time, len(drafts), rows, name)
     ahead = launch and (drafter is None or policy.expects_plain())
     token = plain_step(target, last, dist, key, ahead)
     verify_time = perf_counter() - t0
@@ -272,4 +282,5 @@ def _round(
         finish_reason=finish,
         prefill_time=prefill_time,
         cached_tokens=cached,
+        drafter=v.drafter,
     )

@@ -112,6 +112,9 @@ class _Schedule:
     def observe(self, k: int, accepted: int) -> None:
         pass
 
+    def observe_time(self, k: int, tokens: int, seconds: float) -> None:
+        pass
+
     def expects_plain(self) -> bool:
         return bool(self.ks) and self.ks[0] == 0
 

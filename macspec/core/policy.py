@@ -30,6 +30,10 @@ class Policy(Protocol):
     def observe(self, k: int, accepted: int) -> None:
         """How many of the last speculative round's k drafts were accepted."""
 
+    def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
+        """What the last round (k drafts; 0: a plain step) emitted, before any stop, and the
+        seconds it took (observed.py checks the choices against them)."""
+
     def expects_plain(self) -> bool:
         """After a plain step: whether the next round will be one too if its label is the
         last one's (its pass may then start before this step's id is read)."""
@@ -111,6 +115,9 @@ class FixedTree:
     def observe(self, k: int, accepted: int) -> None:
         pass
 
+    def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
+        pass
+
     def expects_plain(self) -> bool:
         return self._nothing
 
@@ -135,6 +142,9 @@ class FixedK:
         return 0 if label == 0 else self.k
 
     def observe(self, k: int, accepted: int) -> None:
+        pass
+
+    def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
         pass
 
     def expects_plain(self) -> bool:
@@ -297,6 +307,9 @@ class AdaptiveK:
         if k > 0:
             self.arm(self._last).observe(k, accepted)
 
+    def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
+        pass  # priced by the measured costs alone (Observed adds the round times)
+
     def expects_plain(self) -> bool:
         return self._last == 0 or self.arm(self._last).skips_left > 0
 
@@ -381,6 +394,9 @@ class AdaptiveTree:
 
     def observe(self, k: int, accepted: int) -> None:
         self.chain.observe(k, accepted)
+
+    def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
+        pass  # its shapes' speeds come from observe_tree
 
     def expects_plain(self) -> bool:
         return self.chain.expects_plain()

@@ -367,6 +367,8 @@ class ChatApp(App):
             drafted = stats.acceptance_rate if stats.drafted else None
             line += f" · {stats.rounds} rounds · {stats.generated_tokens} tokens"
             line += f" · acceptance {pct(drafted)}"
+            if stats.drafted:  # which drafter and K the rounds used
+                line += f" · {stats.arms_line()}"
             if self.timings:
                 line += f" · {num(stats.speedup)}x plain decoding"
         self._status(line)

@@ -82,10 +82,13 @@ class Reply:
         self.accepted_per_round.append(len(event.accepted))
         self.max_num_draft = max(self.max_num_draft, event.num_draft)
         drafts, kept = event.rows - 1, len(event.accepted)
+        by = event.drafter  # what drafted: the model, a copy (n-gram), ...
         if drafts > event.num_draft:  # a token tree: its nodes, and the accepted path's depth
-            self.last_round = f"tree {drafts}: depth {kept}"
+            self.last_round = f"{by} tree {drafts}: depth {kept}"
         elif drafts:
-            self.last_round = f"{kept} of {drafts} kept"
+            self.last_round = f"{by} {kept} of {drafts} kept"
+        else:
+            self.last_round = "plain step"
         self.finish_reason = event.finish_reason or self.finish_reason
         return new
 
