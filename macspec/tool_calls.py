@@ -366,6 +366,9 @@ class ToolCallStream:
 # ---------------------------------------------------------------- "required" as a constraint
 
 
+CALL_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": "[ \\n]{0,2}"}
+
+
 def required_spec(
     template: str, tools: list[dict[str, Any]], choice: Choice, specials: set[str]
 ) -> Spec:
@@ -387,7 +390,9 @@ def required_spec(
         }
         for t in named
     ]
-    call = "%json " + json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    one_of = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    # Bounded whitespace (templates write ", " and ": "): free whitespace lets a model pad.
+    call = "%json " + json.dumps({**one_of, "x-guidance": CALL_WHITESPACE})
 
     def mark(text: str) -> str:
         return text if text in specials else json.dumps(text)

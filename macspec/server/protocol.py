@@ -124,6 +124,9 @@ def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any])
     _response_format(data.get("response_format"), req.options)
     _tools(data, req)
     req.logprobs = _logprobs(data, endpoint)
+    req.options.pop("top_logprobs", None)  # the body's own field, read by _logprobs
+    if req.logprobs is not None:
+        req.options["top_logprobs"] = req.logprobs
     return req
 
 
@@ -185,24 +188,6 @@ def _logprobs(data: dict[str, Any], endpoint: str) -> int | None:
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP:
         raise HTTPError(f"{param} must be an integer from 0 to {MAX_TOP}", param=param)
     return top
-
-
-def refuse_undecodable(req: Request) -> None:
-    """What the core cannot decode yet (constraints, logprobs): checked, then refused by name."""
-    if req.logprobs is not None:
-        param = "logprobs" if req.endpoint == "completion" else "top_logprobs"
-        raise HTTPError("logprobs are not in this build yet", param=param, code="unsupported")
-    if req.tool_choice.mode == "required":
-        param = "tool_choice"
-    elif req.options.get("json_schema") is not None or req.options.get("grammar") is not None:
-        param = "response_format" if "json_schema" in req.options else "grammar"
-    else:
-        return
-    raise HTTPError(
-        f"{param}: constrained decoding is not in this build yet (the request is valid)",
-        param=param,
-        code="unsupported",
-    )
 
 
 def _flag(data: dict, name: str, param: str | None = None) -> bool:
