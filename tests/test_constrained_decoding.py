@@ -175,3 +175,32 @@ def test_output_is_the_targets_masked_distribution_at_t1(small_pair, monkeypatch
         assert p < 1e-4
     else:
         assert p > 1e-3
+
+
+# ------------------------------------------------------------- a drafter with fewer ids
+
+
+@pytest.fixture(scope="module")
+def eagle_pair(tmp_path_factory):
+    """An EAGLE draft lacking every fifth id (among them 'a', 'f' and 'k'), chains only."""
+    from test_eagle import make_draft
+
+    root = tmp_path_factory.mktemp("eagle_json")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    vocab = [i for i in range(66) if i % 5 != 4]
+    return macspec.load(target, make_draft(root / "draft", target, vocab_ids=vocab))
+
+
+def test_a_drafter_without_the_allowed_ids_is_cut_not_wrong(eagle_pair):
+    """Where the grammar allows only ids the EAGLE draft lacks, the draft stops there; greedy
+    answers equal plain constrained decoding and sampled ones follow the grammar."""
+    grammar = "start: /([afk][a-z])+/"
+    kw = {"grammar": grammar, "max_tokens": 24, "num_draft": 3}
+    for prompt in ("ab ab ab", "fk fk"):
+        spec = macspec.generate(eagle_pair, prompt, adaptive=False, **kw)
+        plain = macspec.generate(eagle_pair, prompt, speculative=False, **kw)
+        assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+    for seed in range(6):
+        r = macspec.generate(eagle_pair, "ab", temperature=1.0, seed=seed, **kw)
+        assert all(c in "afk" for c in r.text[::2]) and r.text.isalpha()
+        assert len(r.tokens) % 2 == 0 if r.finish_reason == "stop" else len(r.tokens) == 24

@@ -51,12 +51,25 @@ def masked(
 ) -> mx.array:
     """`logits` (rows, V) with every id the constraint forbids at -inf: row r follows the
     committed ids + extra[:first_row + r]. `columns` (a drafter's own ids, verify.make_dist):
-    the logits' columns are those ids, in the order the map gives them."""
+    the logits' columns are those ids, in the order the map gives them.
+
+    A drafter whose own ids include none the constraint allows at a position cannot draft it:
+    that row is left unmasked, and so are the rows after a forbidden draft; such a proposal is
+    cut before its first forbidden id (verify.allowed_part), at a point that depends on the
+    drafts alone, so the chain's length is a stopping rule and the round stays exact."""
     ids = [] if extra is None else extra.tolist()  # the drafts on the host: one sync
-    masks = np.stack([constraint.allowed(ids[: first_row + r]) for r in range(logits.shape[0])])
-    if columns is not None:
-        masks = masks[:, _column_ids(columns, logits.shape[1])]
-    return mx.where(mx.array(masks), logits, -mx.inf)
+    valid = constraint.valid_prefix(ids[: first_row + logits.shape[0] - 1])
+    keep = _column_ids(columns, logits.shape[1]) if columns is not None else None
+    rows = []
+    for r in range(logits.shape[0]):
+        if first_row + r > valid:
+            rows.append(np.ones(logits.shape[1], dtype=bool))
+            continue
+        mask = constraint.allowed(ids[: first_row + r])
+        if keep is not None:
+            mask = mask[keep]
+        rows.append(mask if mask.any() else np.ones_like(mask))
+    return mx.where(mx.array(np.stack(rows)), logits, -mx.inf)
 
 
 _COLUMN_IDS: dict[int, tuple[mx.array, np.ndarray]] = {}

@@ -93,7 +93,7 @@ def speculative_round(
     n = 0
     try:
         t0 = perf_counter()
-        proposal = _allowed_part(drafter.propose(k, dist, draft_key), dist)
+        proposal = allowed_part(drafter.propose(k, dist, draft_key), dist)
         # The drafts compute while Python builds the verification graph (~3 ms a pass), which
         # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
         # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
@@ -122,14 +122,18 @@ def speculative_round(
             drafter.abort(k)
 
 
-def _allowed_part(proposal: Proposal, dist: DistFn) -> Proposal:
-    """A copied proposal (q = None) cut before the first id the constraint forbids; sampled
-    ones are drawn from the masked q and always allowed. Possibly empty: a plain step then."""
+def allowed_part(proposal: Proposal, dist: DistFn) -> Proposal:
+    """A proposal cut before the first id the constraint forbids: a copy (q = None) may hold
+    any id, a drafter with its own smaller vocabulary may have none allowed at a position
+    (constraint.masked). Possibly empty: the round is then a plain step."""
     constraint = getattr(dist, "constraint", None)
-    if constraint is None or proposal.probs is not None or not proposal.tokens.size:
+    if constraint is None or not proposal.tokens.size:
         return proposal
     n = constraint.valid_prefix(proposal.tokens.tolist())
-    return Proposal(proposal.tokens[:n], None)
+    if n == proposal.tokens.size:
+        return proposal
+    probs = proposal.probs[:n] if proposal.probs is not None else None
+    return Proposal(proposal.tokens[:n], probs)
 
 
 def plain_step(
