@@ -1,11 +1,14 @@
-"""Structured output's cost: tok/s of unconstrained and json_schema-constrained generation,
-plain and speculative, on the same prompts in one run (macspec.generate, greedy).
+"""Structured output's cost: tok/s of unconstrained and constrained generation, plain and
+speculative, on the same prompts in one run (macspec.generate, greedy).
 
-    python scripts/bench_structured.py [--target DIR --draft DIR] [--repeats 3] [--max-tokens 128]
+    python scripts/bench_structured.py [--target DIR --draft DIR] [--repeats 3] [--max-tokens 160]
+        [--prompts 0 1]
 
-Prints one line per (prompt, mode) with the median tok/s over repeats and its range, the
-acceptance, and the summary: the schema's cost against unconstrained decoding (plain and
-speculative) and the share of speculation's speedup the schema keeps.
+Two constraints: "any", a grammar every text satisfies, so the constrained answer is token for
+token the unconstrained one (checked) and acceptance is equal: what the masks themselves cost;
+and "schema", a JSON schema of a list of four people (its answer differs, acceptance is shown).
+One line per run, then per prompt the median tok/s over repeats and its range, then the cost
+against unconstrained decoding and the share of speculation's speedup kept.
 """
 
 from __future__ import annotations
@@ -26,22 +29,49 @@ PERSON = {
     "required": ["name", "age", "city", "hobbies"],
     "additionalProperties": False,
 }
+PEOPLE = {"type": "array", "items": PERSON, "minItems": 4, "maxItems": 4}
+ANY = "start: /(.|\\n)*/"  # every text: the constrained answer is the unconstrained one
 PROMPTS = [
-    "Describe a fictional person as a JSON object with name, age, city and hobbies.",
-    "Give me a JSON record of a software engineer: name, age, city and a list of hobbies.",
+    "List four fictional people as JSON objects with name, age, city and hobbies.",
+    "Give me JSON records of four software engineers: name, age, city and a list of hobbies.",
 ]
+MODES = {
+    "plain": ({}, False),
+    "plain+any": ({"grammar": ANY}, False),
+    "plain+schema": ({"json_schema": PEOPLE}, False),
+    "spec": ({}, True),
+    "spec+any": ({"grammar": ANY}, True),
+    "spec+schema": ({"json_schema": PEOPLE}, True),
+}
 
 
-def run(pair, prompt: str, schema, speculative: bool, max_tokens: int) -> tuple[float, float, int]:
-    kw = {"json_schema": schema} if schema is not None else {}
-    r = macspec.generate(
-        pair,
-        messages=[{"role": "user", "content": prompt}],
-        max_tokens=max_tokens,
-        speculative=speculative,
-        **kw,
+def run(pair, prompt: str, mode: str, max_tokens: int):
+    kw, speculative = MODES[mode]
+    messages = [{"role": "user", "content": prompt}]
+    return macspec.generate(
+        pair, messages=messages, max_tokens=max_tokens, speculative=speculative, **kw
     )
-    return r.stats.tokens_per_second, r.stats.acceptance_rate, r.stats.generated_tokens
+
+
+def bench(pair, i: int, prompt: str, repeats: int, max_tokens: int) -> dict[str, float]:
+    per: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(repeats):  # interleaved, so that the machine's load hits every mode alike
+        got = {m: run(pair, prompt, m, max_tokens) for m in MODES}
+        for m, r in got.items():
+            s = r.stats
+            per[m].append(s.tokens_per_second)
+            print(
+                f"prompt {i} {m:13s} {s.tokens_per_second:6.1f} tok/s  acceptance "
+                f"{s.acceptance_rate:.2f}  {s.generated_tokens} tokens  {r.finish_reason}"
+            )
+        for base in ("plain", "spec"):
+            if got[base].tokens != got[base + "+any"].tokens:
+                raise SystemExit(f"prompt {i}: {base}+any differs from {base}")
+    out = {}
+    for m, v in per.items():
+        out[m] = statistics.median(v)
+        print(f"prompt {i} {m:13s} median {out[m]:.1f} [{min(v):.1f}-{max(v):.1f}]")
+    return out
 
 
 def main() -> None:
@@ -49,36 +79,24 @@ def main() -> None:
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--prompts", type=int, nargs="*", help="which of the prompts (default all)")
     args = ap.parse_args()
+    chosen = {i: PROMPTS[i] for i in (args.prompts or range(len(PROMPTS)))}
     pair = macspec.load(args.target, args.draft) if args.target else macspec.load()
-    modes = {
-        "plain": (None, False),
-        "plain+schema": (PERSON, False),
-        "spec": (None, True),
-        "spec+schema": (PERSON, True),
-    }
-    for prompt in PROMPTS:  # warm-up: compiles, the LLTokenizer, the policy's costs
-        for schema, spec in modes.values():
-            run(pair, prompt, schema, spec, 16)
-    speeds: dict[str, list[float]] = {m: [] for m in modes}
-    for i, prompt in enumerate(PROMPTS):
-        per: dict[str, list[float]] = {m: [] for m in modes}
-        for _ in range(args.repeats):  # interleaved, so that load on the machine hits all alike
-            for m, (schema, spec) in modes.items():
-                tps, acc, n = run(pair, prompt, schema, spec, args.max_tokens)
-                per[m].append(tps)
-                print(f"prompt {i} {m:13s} {tps:6.1f} tok/s  acceptance {acc:.2f}  {n} tokens")
-        for m in modes:
-            med = statistics.median(per[m])
-            print(f"prompt {i} {m:13s} median {med:.1f} [{min(per[m]):.1f}-{max(per[m]):.1f}]")
-            speeds[m].append(med)
-    mean = {m: statistics.mean(v) for m, v in speeds.items()}
-    print(f"schema cost, plain:       {1 - mean['plain+schema'] / mean['plain']:+.1%}")
-    print(f"schema cost, speculative: {1 - mean['spec+schema'] / mean['spec']:+.1%}")
-    free, constrained = mean["spec"] / mean["plain"], mean["spec+schema"] / mean["plain+schema"]
-    print(f"speedup unconstrained {free:.2f}x, under the schema {constrained:.2f}x")
-    print(f"speedup kept: {(constrained - 1) / (free - 1):.0%}" if free > 1 else "no speedup")
+    print(pair.describe())
+    for prompt in chosen.values():  # warm-up: compiled kernels, the LLTokenizer, the policy's costs
+        for m in MODES:
+            run(pair, prompt, m, 16)
+    meds = [bench(pair, i, p, args.repeats, args.max_tokens) for i, p in chosen.items()]
+    mean = {m: statistics.mean(d[m] for d in meds) for m in MODES}
+    for c in ("any", "schema"):
+        for base in ("plain", "spec"):
+            cost = 1 - mean[f"{base}+{c}"] / mean[base]
+            print(f"{c:6s} cost against {base:5s}: {cost:+.1%}")
+        free, kept = mean["spec"] / mean["plain"], mean[f"spec+{c}"] / mean[f"plain+{c}"]
+        share = f"{(kept - 1) / (free - 1):.0%} kept" if free > 1 else "no speedup to keep"
+        print(f"{c:6s} speedup {free:.2f}x unconstrained, {kept:.2f}x constrained: {share}")
 
 
 if __name__ == "__main__":
