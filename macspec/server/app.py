@@ -207,8 +207,9 @@ class _Server:
                 )
         if req.tool_choice.mode == "required":
             specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+            template, parallel = tokenizer.chat_template, req.parallel_tool_calls
             spec = tool_calls.required_spec(
-                tokenizer.chat_template, req.tools, req.tool_choice, specials
+                template, req.tools, req.tool_choice, specials, parallel
             )
             req.options["grammar"] = spec.text
         return api.prompt_ids(self.pair, text), family

@@ -76,7 +76,6 @@ _OFF = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
-    "parallel_tool_calls": (None, True),
 }
 # Fields a request may set, under OpenAI's names, mapped onto GenerationOptions.
 _ALIASES = {"max_completion_tokens": "max_tokens"}
@@ -94,6 +93,7 @@ class Request:
     include_usage: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Choice = Choice("none")
+    parallel_tool_calls: bool = True  # false: a required call is exactly one
     logprobs: int | None = None  # top ids to report with each token's logprob; None: off
 
 
@@ -166,6 +166,8 @@ def _tools(data: dict[str, Any], req: Request) -> None:
     try:
         req.tools = tool_calls.check_tools(tools) if tools is not None else []
         req.tool_choice = tool_calls.check_choice(choice, req.tools)
+        if data.get("parallel_tool_calls") is not None:
+            req.parallel_tool_calls = _flag(data, "parallel_tool_calls")
     except tool_calls.ToolError as e:
         raise HTTPError(str(e), param=e.param, code="invalid_value") from None
     if req.tool_choice.mode == "required" and req.options.get("json_schema") is not None:
