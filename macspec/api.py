@@ -344,10 +344,8 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
 
 
 def _trees(opts: GenerationOptions) -> int:
-    """Tree nodes to draft: none under a constraint (a grammar does not prune trees yet) or
-    with log probabilities (reported for chains and plain steps)."""
-    plain_rows = opts.constraint is None and opts.top_logprobs is None
-    return opts.tree_nodes if plain_rows else 0
+    """Tree nodes to draft: none with log probabilities (reported for chains and plain steps)."""
+    return opts.tree_nodes if opts.top_logprobs is None else 0
 
 
 def _policy(opts: GenerationOptions, pair: Pair) -> AdaptiveK | AdaptiveTree:

@@ -68,6 +68,16 @@ def test_greedy_speculation_equals_plain_constrained_decoding(json_pair, schema)
             assert spec.finish_reason == "length" and len(spec.tokens) == 48
 
 
+@pytest.mark.parametrize("schema", SCHEMAS[1:], ids=["person", "array"])
+def test_greedy_token_trees_equal_plain_constrained_decoding(json_dirs, schema):
+    pair = macspec.load(*json_dirs, drafter="model")
+    kw = {"json_schema": schema, "max_tokens": 48, "num_draft": 3}
+    events = list(macspec.stream_generate(pair, "name age", adaptive=False, tree_nodes=6, **kw))
+    plain = macspec.generate(pair, "name age", speculative=False, **kw)
+    assert [t for ev in events for t in ev.emitted] == plain.tokens
+    assert any(ev.rows > ev.num_draft + 1 for ev in events)  # trees: more rows than a chain
+
+
 def test_every_sampled_answer_parses_and_validates(json_dirs):
     pair = macspec.load(*json_dirs)
     schema = SCHEMAS[1]
@@ -147,8 +157,11 @@ def unmasked_ratio(monkeypatch):
     monkeypatch.setattr(ModelDrafter, "propose", propose)
 
 
-@pytest.mark.parametrize("broken", [False, True], ids=["exact", "unmasked-q-in-ratio"])
-def test_output_is_the_targets_masked_distribution_at_t1(small_pair, monkeypatch, broken):
+@pytest.mark.parametrize(
+    "broken, trees", [(False, 0), (False, 4), (True, 0)], ids=["chains", "trees", "broken"]
+)
+def test_output_is_the_targets_masked_distribution_at_t1(small_pair, monkeypatch, broken, trees):
+    """`broken`: the rule with the unmasked q; `trees`: token trees of up to that many nodes."""
     prompt = [3, 4, 5]
     eos = sorted(small_pair.eos_token_ids)
     spec = Spec("grammar", GRAMMAR, "grammar")
@@ -168,6 +181,7 @@ def test_output_is_the_targets_masked_distribution_at_t1(small_pair, monkeypatch
             temperature=1.0,
             num_draft=3,
             adaptive=False,
+            tree_nodes=trees,
         )
         counts[tuple(r.tokens)] += 1
     p = chi_square(expected, counts)

@@ -85,8 +85,9 @@ def generate_rounds(
     """Yield one Round per target forward pass until a stop ("stop", "length", "context").
     `policy` picks K per round (without one, K = num_draft every round); `prompt_cache`
     (caches/prompt_cache.py): start from kept states, and keep the final ones. `constraint`:
-    masks p and q alike (chains only: a tree shape is drafted as its deepest chain);
-    `logprobs`: report each emitted id's log probability and its `logprobs` most likely."""
+    masks p and q alike (a tree's forbidden candidates are never reached: the walk descends
+    only along ids drawn from masked rows); `logprobs`: report each emitted id's log
+    probability and its `logprobs` most likely (chains and plain steps)."""
     policy = policy or FixedK(num_draft)
     with memory.wired_limit(target.model):
         history = list(prompt)
@@ -104,8 +105,6 @@ def generate_rounds(
                 key, subkey = mx.random.split(key)
                 dist = make_dist(opts, history, constraint)
                 seen: list | None = [] if logprobs is not None else None
-                if constraint is not None and isinstance(k, TreeShape):
-                    k = k.depth  # tree nodes are not pruned by the grammar (yet): a chain
                 steady = False
                 # A launched pass has run since the last ids were read: its time is this round's.
                 t0 = ready if target.ahead is not None else perf_counter()
