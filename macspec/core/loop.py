@@ -104,7 +104,7 @@ def generate_rounds(
                 k = _next_k(policy, drafter, target, generated, room)
                 key, subkey = mx.random.split(key)
                 dist = make_dist(opts, history, constraint)
-                seen: list | None = [] if logprobs is not None else None
+                seen: list | None = [] if logprobs is not None else None  # the target's rows
                 steady = False
                 # A launched pass has run since the last ids were read: its time is this round's.
                 t0 = ready if target.ahead is not None else perf_counter()
@@ -123,11 +123,8 @@ def generate_rounds(
                 )
                 if constraint is not None:
                     constraint.commit(emitted)  # always allowed: drawn from masked rows
-                r = _round(
-                    v, emitted, finish, ready - t0, timing, opening if not generated else None
-                )
-                if lps is not None:
-                    r.logprobs = lps[: len(emitted)]
+                first = opening if not generated else None
+                r = _round(v, emitted, finish, ready - t0, timing, first, lps)
                 generated += len(emitted)
                 clearing.after(generated)
                 yield r
@@ -299,8 +296,10 @@ def _round(
     seconds: float,
     timing: Timing,
     opening: tuple[float, int] | None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Round:
-    """The Round the loop yields; `opening` (the first round's): prefill seconds, cached ids."""
+    """The Round the loop yields; `opening` (the first round's): prefill seconds, cached ids;
+    `logprobs`: of the round's ids before the stop (cut to the emitted ones)."""
     prefill_time, cached = opening or (0.0, 0)
     return Round(
         accepted=v.drafts[: v.n],
@@ -316,4 +315,5 @@ def _round(
         finish_reason=finish,
         prefill_time=prefill_time,
         cached_tokens=cached,
+        logprobs=None if logprobs is None else logprobs[: len(emitted)],
     )
