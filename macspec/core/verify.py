@@ -93,12 +93,14 @@ def speculative_round(
     n = 0
     try:
         t0 = perf_counter()
-        proposal = allowed_part(drafter.propose(k, dist, draft_key), dist)
+        proposal = drafter.propose(k, dist, draft_key)
+        # The drafter is told of all it proposed (it fed them), the target sees the allowed part.
+        k = proposal.tokens.size
+        proposal = allowed_part(proposal, dist)
         # The drafts compute while Python builds the verification graph (~3 ms a pass), which
         # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
         # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
         mx.async_eval(proposal.tokens)
-        k = proposal.tokens.size
         with hooks.serial():
             logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
         p = dist(logits, proposal.tokens, 0)
