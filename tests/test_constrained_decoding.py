@@ -89,10 +89,12 @@ def test_every_sampled_answer_parses_and_validates(json_dirs):
         if r.finish_reason == "stop":
             jsonschema.validate(json.loads(r.text), schema)
             finished += 1
-        else:
-            assert r.finish_reason == "length"
-            with pytest.raises(json.JSONDecodeError):
-                json.loads(r.text)
+        else:  # cut by max_tokens: unfinished, or finished with no room left for the stop
+            assert r.finish_reason == "length" and len(r.tokens) == 64
+            try:
+                jsonschema.validate(json.loads(r.text), schema)
+            except json.JSONDecodeError:
+                pass
     assert finished >= 6  # most answers finish: the test checks real JSON
 
 
