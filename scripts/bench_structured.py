@@ -7,8 +7,9 @@ speculative, on the same prompts in one run (macspec.generate, greedy).
 Two constraints: "any", a grammar every text satisfies, so the constrained answer is token for
 token the unconstrained one (checked) and acceptance is equal: what the masks themselves cost;
 and "schema", a JSON schema of a list of four people (its answer differs, acceptance is shown).
-One line per run, then per prompt the median tok/s over repeats and its range, then the cost
-against unconstrained decoding and the share of speculation's speedup kept.
+One line per run, then per prompt the median tok/s over repeats and its range, then paired
+ratios (median and range over repeats): each constraint against unconstrained decoding, and
+speculation's speedup with and without it.
 """
 
 from __future__ import annotations
@@ -53,25 +54,33 @@ def run(pair, prompt: str, mode: str, max_tokens: int):
     )
 
 
-def bench(pair, i: int, prompt: str, repeats: int, max_tokens: int) -> dict[str, float]:
+def bench(pair, i: int, prompt: str, repeats: int, max_tokens: int) -> dict[str, list[float]]:
+    """tok/s of every mode, `repeats` times; each repeat runs the modes in a rotated order, so
+    that a drift in the machine's load does not always favour the same mode."""
     per: dict[str, list[float]] = {m: [] for m in MODES}
-    for _ in range(repeats):  # interleaved, so that the machine's load hits every mode alike
-        got = {m: run(pair, prompt, m, max_tokens) for m in MODES}
-        for m, r in got.items():
-            s = r.stats
+    names = list(MODES)
+    for rep in range(repeats):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        got = {m: run(pair, prompt, m, max_tokens) for m in order}
+        for m in names:
+            s = got[m].stats
             per[m].append(s.tokens_per_second)
             print(
                 f"prompt {i} {m:13s} {s.tokens_per_second:6.1f} tok/s  acceptance "
-                f"{s.acceptance_rate:.2f}  {s.generated_tokens} tokens  {r.finish_reason}"
+                f"{s.acceptance_rate:.2f}  {s.generated_tokens} tokens  {got[m].finish_reason}"
             )
         for base in ("plain", "spec"):
             if got[base].tokens != got[base + "+any"].tokens:
                 raise SystemExit(f"prompt {i}: {base}+any differs from {base}")
-    out = {}
     for m, v in per.items():
-        out[m] = statistics.median(v)
-        print(f"prompt {i} {m:13s} median {out[m]:.1f} [{min(v):.1f}-{max(v):.1f}]")
-    return out
+        print(f"prompt {i} {m:13s} median {statistics.median(v):.1f} [{min(v):.1f}-{max(v):.1f}]")
+    return per
+
+
+def ratio(a: list[float], b: list[float]) -> str:
+    """Median and range of a/b over repeats (paired: each repeat's runs are minutes apart)."""
+    r = [x / y for x, y in zip(a, b, strict=True)]
+    return f"{statistics.median(r):.3f} [{min(r):.3f}-{max(r):.3f}]"
 
 
 def main() -> None:
@@ -88,15 +97,18 @@ def main() -> None:
     for prompt in chosen.values():  # warm-up: compiled kernels, the LLTokenizer, the policy's costs
         for m in MODES:
             run(pair, prompt, m, 16)
-    meds = [bench(pair, i, p, args.repeats, args.max_tokens) for i, p in chosen.items()]
-    mean = {m: statistics.mean(d[m] for d in meds) for m in MODES}
+    runs = {m: [] for m in MODES}
+    for i, p in chosen.items():
+        for m, v in bench(pair, i, p, args.repeats, args.max_tokens).items():
+            runs[m] += v
     for c in ("any", "schema"):
         for base in ("plain", "spec"):
-            cost = 1 - mean[f"{base}+{c}"] / mean[base]
-            print(f"{c:6s} cost against {base:5s}: {cost:+.1%}")
-        free, kept = mean["spec"] / mean["plain"], mean[f"spec+{c}"] / mean[f"plain+{c}"]
-        share = f"{(kept - 1) / (free - 1):.0%} kept" if free > 1 else "no speedup to keep"
-        print(f"{c:6s} speedup {free:.2f}x unconstrained, {kept:.2f}x constrained: {share}")
+            print(f"{base}+{c} / {base}: {ratio(runs[f'{base}+{c}'], runs[base])}")
+        print(f"speedup unconstrained (spec / plain): {ratio(runs['spec'], runs['plain'])}")
+        print(
+            f"speedup under {c} (spec+{c} / plain+{c}): "
+            f"{ratio(runs[f'spec+{c}'], runs[f'plain+{c}'])}"
+        )
 
 
 if __name__ == "__main__":
