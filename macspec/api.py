@@ -23,7 +23,9 @@ from .core import (
     guard,
     make_target,
 )
-from .errors import OptionError, PromptError
+from .core.logprobs import TokenLogprob
+from .errors import PromptError
+from .grammar import Grammar
 from .kept_costs import calibrate
 from .options import GenerationOptions
 from .options import signature as options_signature
@@ -55,6 +57,8 @@ class RoundEvent:
     stats: GenerationStats | None = None
     rows: int = 1  # ids the target's pass verified (drafts + 1; a token tree: its nodes + 1)
     drafter: str = ""  # what drafted this round ("model", "ngram", ...; "": a plain step)
+    # per emitted id, with the option top_logprobs (core/logprobs.py); else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -247,7 +251,7 @@ def stream_generate(
     as `macspec chat` and `macspec generate` do; a string `prompt` is encoded as-is (no chat
     template); a list of ids is used exactly. The options are `GenerationOptions`' fields
     (macspec/options.py: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    num_draft, seed, stop, speculative, adaptive, grammar, json_schema)."""
+    num_draft, seed, stop, speculative, adaptive, grammar, json_schema, top_logprobs)."""
     opts = GenerationOptions.from_kwargs(**options)
     ids = prompt_ids(pair, prompt, messages)
     check_length(pair, ids)
@@ -322,6 +326,7 @@ class GenerationStream:
             stats=self._counter.stats(),
             rows=r.rows,
             drafter=r.drafter,
+            logprobs=None if r.logprobs is None else tuple(r.logprobs[:taken]),
         )
 
     def stats(self) -> GenerationStats:
@@ -333,17 +338,16 @@ class GenerationStream:
 
 
 def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationStream:
-    if opts.constraint is not None:  # checked here; the core applies its masks (grammar.py) next
-        raise OptionError(
-            f"{opts.constraint.param}: constrained decoding is not in this build yet (the "
-            "schema or grammar was checked and is valid)"
-        )
+    constraint = None
+    if opts.constraint is not None:
+        eos = sorted(pair.eos_token_ids)
+        constraint = Grammar.for_pair(opts.constraint, pair.tokenizer, pair.vocab_size, eos)
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     drafter = pair.make_drafter(opts.adaptive) if opts.speculative else None
     adaptive = drafter is not None and opts.adaptive
     if adaptive and pair.costs is None:  # sharded, or loaded with measure=False: measured now
         pair.costs = calibrate(pair)
-    if drafter is not None and opts.tree_nodes:
+    if drafter is not None and _trees(opts):
         pair.check_trees()
     steps = generate_rounds(
         make_target(pair, drafter),
@@ -358,8 +362,15 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         timing=pair.timing,
         policy=_policy(opts, pair) if adaptive else _fixed(opts),
         prompt_cache=pair.prompt_cache if pair.group is None else None,
+        constraint=constraint,
+        logprobs=opts.top_logprobs,
     )
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
+
+
+def _trees(opts: GenerationOptions) -> int:
+    """Tree nodes to draft: none with log probabilities (reported for chains and plain steps)."""
+    return opts.tree_nodes if opts.top_logprobs is None else 0
 
 
 def _policy(opts: GenerationOptions, pair: Pair) -> Observed:
@@ -368,12 +379,12 @@ def _policy(opts: GenerationOptions, pair: Pair) -> Observed:
     seen = pair.observations
     if not seen.plain.rounds:
         seen.plain.add(pair.costs.plain_step, 1)
-    return Observed(adaptive(opts.num_draft, pair.costs, opts.tree_nodes), seen)
+    return Observed(adaptive(opts.num_draft, pair.costs, _trees(opts)), seen)
 
 
 def _fixed(opts: GenerationOptions) -> FixedK | FixedTree:
-    if opts.tree_nodes:
-        return FixedTree(TreeShape(opts.num_draft, 2, opts.tree_nodes))
+    if _trees(opts):
+        return FixedTree(TreeShape(opts.num_draft, 2, _trees(opts)))
     return FixedK(opts.num_draft)
 
 

@@ -1,8 +1,8 @@
 """Constraints on what a generation may say: a JSON schema or a grammar, as token masks.
 
-The speculative core sees only the `Constraint` protocol below (the ids a position allows, after
-the committed ids and some drafts); it never imports the constraint library. `Grammar` implements
-it with llguidance (the constraint engine of llama.cpp and vLLM).
+The speculative core sees only the `Constraint` protocol (core/constraint.py: the ids a position
+allows, after the committed ids and some drafts); it never imports the constraint library.
+`Grammar` implements it with llguidance (the constraint engine of llama.cpp and vLLM).
 
 Why llguidance rather than outlines-core: llguidance reads the tokenizer.json every pair already
 has (GGUF conversions included) and takes any context-free grammar (Lark, or llama.cpp's GBNF), so
@@ -20,40 +20,18 @@ import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
+from .core.constraint import Constraint
 from .errors import ConstraintError, OptionError
+
+__all__ = ["ANY_JSON_OBJECT", "Constraint", "Grammar", "Spec", "json_schema_text", "spec_of"]
 
 log = logging.getLogger(__name__)
 
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-class Constraint(Protocol):
-    """What the speculative core needs of a constraint. "Committed" ids are part of the output;
-    `prefix` ids (drafts not yet verified) follow them. Masks are (vocab_size,) bool arrays."""
-
-    vocab_size: int
-
-    def allowed(self, prefix: Sequence[int] = ()) -> np.ndarray:
-        """The ids allowed after the committed ids and `prefix` (which must be valid)."""
-
-    def valid_prefix(self, ids: Sequence[int]) -> int:
-        """How many of `ids` (after the committed ids) the constraint allows, in order."""
-
-    def commit(self, ids: Sequence[int]) -> None:
-        """`ids` become part of the output; ConstraintError if the constraint forbids one."""
-
-    def rollback(self, n: int) -> None:
-        """Take back the last `n` committed ids."""
-
-    def accepting(self) -> bool:
-        """The output so far is complete (a stop id is allowed now)."""
-
-    def done(self) -> bool:
-        """Nothing but a stop id is allowed now."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +47,11 @@ class Spec:
         """llguidance's grammar definition, checked: OptionError naming `param` if it is bad."""
         from llguidance import LLMatcher, grammar_from
 
+        text = self.text
+        if self.kind == "json_schema":
+            text = _compact(text)
         try:
-            definition = grammar_from(self.kind, self.text)
+            definition = grammar_from(self.kind, text)
         except ValueError as e:
             raise OptionError(f"invalid {self.param}: {e}") from None
         error = " ".join(LLMatcher.validate_grammar(definition, None).split())  # one line
@@ -78,6 +59,18 @@ class Spec:
             what = "schema" if self.kind == "json_schema" else "grammar"
             raise OptionError(f"invalid {self.param}: unsupported or invalid {what}: {error}")
         return definition
+
+
+def _compact(schema_text: str) -> str:
+    """The schema with JSON's whitespace fixed (", " and ": ", no newlines) unless it says
+    otherwise ("x-guidance"): as OpenAI's structured output; free whitespace lets a model pad
+    an answer until max_tokens (llama.cpp's JSON grammars bound it for the same reason)."""
+    schema = json.loads(schema_text)
+    if schema is True:
+        schema = {}
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    return json.dumps(schema)
 
 
 def json_schema_text(schema: Any, param: str = "json_schema") -> str:
@@ -131,8 +124,9 @@ def ll_tokenizer(tokenizer: Any, eos_ids: Sequence[int]) -> Any:
                 per[key] = llguidance.hf.from_tokenizer(hf, eos_token=sorted(eos_ids))
             except ValueError as e:
                 log.info("llguidance cannot read this tokenizer (%s): decoding its ids", e)
-                wrapped = llguidance.TokenizerWrapper(_DecodedIds(hf, sorted(eos_ids)))
-                per[key] = llguidance.LLTokenizer(wrapped, eos_token=sorted(eos_ids))
+                ids = _DecodedIds(hf, sorted(eos_ids))
+                wrapped = llguidance.TokenizerWrapper(ids)
+                per[key] = llguidance.LLTokenizer(wrapped, eos_token=sorted(eos_ids) or None)
         return per[key]
 
 
@@ -145,7 +139,8 @@ class _DecodedIds:
         self._hf = hf
         self.tokens = [hf.decode([i]).encode() for i in range(len(hf))]
         self.special_token_ids = list(hf.all_special_ids)
-        self.eos_token_id, self.bos_token_id = eos_ids[0], hf.bos_token_id
+        self.eos_token_id = eos_ids[0] if eos_ids else hf.eos_token_id
+        self.bos_token_id = hf.bos_token_id
 
     def __call__(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False)
@@ -160,10 +155,15 @@ class Grammar:
     until the committed ids move past them, so the draft's and the verification's masks of one
     position are computed once."""
 
-    def __init__(self, spec: Spec, lltok: Any, vocab_size: int) -> None:
+    def __init__(self, spec: Spec, lltok: Any, vocab_size: int, stops: Sequence[int] = ()) -> None:
         from llguidance import LLMatcher
 
         self.spec, self.vocab_size = spec, vocab_size
+        # Nothing follows a stop id: drafts after one are masked to the stops alone (those rows
+        # are never part of the output, and p and q see the same mask).
+        self.stops = frozenset(stops)
+        self._after_stop = np.zeros(vocab_size, dtype=bool)
+        self._after_stop[[i for i in self.stops if i < vocab_size]] = True
         self._matcher = LLMatcher(lltok, spec.compile(), log_level=0)
         if self._matcher.is_error():
             raise OptionError(f"invalid {spec.param}: {self._matcher.get_error()}")
@@ -173,10 +173,12 @@ class Grammar:
 
     @classmethod
     def for_pair(cls, spec: Spec, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]):
-        return cls(spec, ll_tokenizer(tokenizer, eos_ids), vocab_size)
+        return cls(spec, ll_tokenizer(tokenizer, eos_ids), vocab_size, eos_ids)
 
     def allowed(self, prefix: Sequence[int] = ()) -> np.ndarray:
         key = tuple(prefix)
+        if self.stops and not self.stops.isdisjoint(key):
+            return self._after_stop
         mask = self._masks.get(key)
         if mask is None:
             mask = self._compute(key)

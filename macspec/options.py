@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from . import grammar as constraints
+from .core.logprobs import MAX_TOP
 from .core.sampling import SamplingOptions
 from .errors import OptionError
 
@@ -48,6 +49,11 @@ class GenerationOptions:
     json_schema: dict | bool | None = _opt(
         None, "constrain the output to JSON valid under this schema (a file)", file="json"
     )
+    top_logprobs: int | None = _opt(
+        None,
+        "report each token's log probability and its N most likely alternatives (0-20)",
+        flag=None,
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> OptionError:
@@ -67,6 +73,11 @@ class GenerationOptions:
             if not isinstance(s, str) or not s:
                 raise OptionError(f"invalid stop={s!r}: stop strings must be non-empty strings")
         object.__setattr__(self, "stop", stop)
+        top = self.top_logprobs
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)):
+            raise bad("top_logprobs", f"must be an integer from 0 to {MAX_TOP}")
+        if top is not None and not 0 <= top <= MAX_TOP:
+            raise bad("top_logprobs", f"must be an integer from 0 to {MAX_TOP}")
         for name in ("speculative", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be true or false")
@@ -109,6 +120,8 @@ def check_count(name: str, value: Any, least: int) -> None:
 
 
 NAMES = tuple(f.name for f in fields(GenerationOptions))
+# Options of the API and the server only (no command shows what they report).
+API_ONLY = tuple(f.name for f in fields(GenerationOptions) if f.metadata.get("flag", "") is None)
 DEFAULTS = GenerationOptions()
 HINTS = typing.get_type_hints(GenerationOptions)
 
@@ -129,6 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     default is the options' own (the help shows it)."""
     for f in fields(GenerationOptions):
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        if flag is None:  # an API and server option only: no command shows it
+            continue
         help_text = f.metadata["help"]
         if isinstance(f.default, bool):
             parser.add_argument(

@@ -366,12 +366,22 @@ class ToolCallStream:
 # ---------------------------------------------------------------- "required" as a constraint
 
 
+CALL_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": "[ \\n]{0,2}"}
+
+
 def required_spec(
-    template: str, tools: list[dict[str, Any]], choice: Choice, specials: set[str]
+    template: str,
+    tools: list[dict[str, Any]],
+    choice: Choice,
+    specials: set[str],
+    parallel: bool = True,
 ) -> Spec:
-    """The constraint that makes the answer one or more calls (of `choice.name` if given) in the
-    template's own format, their arguments valid under the function's schema. `specials`: the
-    tokenizer's special tokens (a marker that is one is matched as that token, not as text)."""
+    """The constraint that makes the answer calls in the template's own format, their arguments
+    valid under the function's schema: one or more, or exactly one when a function is named or
+    `parallel` is false (as OpenAI's parallel_tool_calls; an unending series of calls is what a
+    small model writes otherwise). `specials`: the tokenizer's special tokens (a marker that is
+    one is matched as that token, not as text)."""
+    many = parallel and choice.name is None
     family = family_of(template)
     named = [t for t in tools if choice.name in (None, t["function"]["name"])]
     key = "parameters" if family == "llama3" else "arguments"
@@ -387,14 +397,17 @@ def required_spec(
         }
         for t in named
     ]
-    call = "%json " + json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    one_of = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    # Bounded whitespace (templates write ", " and ": "): free whitespace lets a model pad.
+    call = "%json " + json.dumps({**one_of, "x-guidance": CALL_WHITESPACE})
 
     def mark(text: str) -> str:
         return text if text in specials else json.dumps(text)
 
     if family == "hermes":
         one = f'{mark("<tool_call>")} "\\n" call "\\n" {mark("</tool_call>")}'
-        lark = f'start: one ("\\n" one)*\none: {one}\ncall: {call}'
+        more = ' ("\\n" one)*' if many else ""
+        lark = f"start: one{more}\none: {one}\ncall: {call}"
     elif family == "llama3":
         lark = f"start: call\ncall: {call}"
     elif family == "mistral" and "[ARGS]" in template:
@@ -403,12 +416,13 @@ def required_spec(
             + json.dumps(t["function"]["parameters"])
             for t in named
         )
-        lark = f"start: ({mark('[TOOL_CALLS]')} call)+\ncall: {alternatives}"
+        lark = f"start: ({mark('[TOOL_CALLS]')} call){'+' if many else ''}\ncall: {alternatives}"
     elif family == "mistral":
         for c in calls:  # Nemo's template writes each call's id back after its arguments
             c["properties"]["id"] = {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}
         items = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        listed = json.dumps({"type": "array", "items": items, "minItems": 1})
+        bounds = {"minItems": 1} if many else {"minItems": 1, "maxItems": 1}
+        listed = json.dumps({"type": "array", "items": items, **bounds})
         lark = f"start: {mark('[TOOL_CALLS]')} calls\ncalls: %json {listed}"
     else:
         raise ToolError(

@@ -105,13 +105,6 @@ def test_cli_flags_read_the_files(tmp_path):
         parser.parse_args(["--json-schema", str(tmp_path / "bad.json")])
 
 
-def test_generation_refuses_constraints_it_cannot_decode_yet(pair):
-    import macspec
-
-    with pytest.raises(OptionError, match="json_schema: constrained decoding"):
-        macspec.generate(pair, "ab", json_schema=PERSON, max_tokens=2)
-
-
 def brute_force(g: Grammar, prefix: list[int]) -> np.ndarray:
     """The ids the grammar allows after `prefix`, asked one id at a time."""
     n = len(prefix)

@@ -30,6 +30,8 @@ def test_the_api_takes_exactly_the_options():
         ({"seed": "1"}, "seed='1'"),
         ({"stop": [""]}, "stop=''"),
         ({"adaptive": "no"}, "adaptive='no'"),
+        ({"top_logprobs": 21}, "top_logprobs=21"),
+        ({"top_logprobs": True}, "top_logprobs=True"),
     ],
 )
 def test_bad_options_are_option_errors(pair, bad, match):
@@ -43,7 +45,8 @@ def test_every_option_is_a_flag_of_generate_and_chat(command):
         a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
     ).choices[command]
     dests = {a.dest for a in sub._actions}
-    assert set(options.NAMES) <= dests
+    assert set(options.NAMES) - set(options.API_ONLY) <= dests
+    assert options.API_ONLY == ("top_logprobs",) and "top_logprobs" not in dests
     args = sub.parse_args(["--stop", "x", "--stop", "y", "--no-speculation", "--top-k", "3"])
     assert options.from_args(args) == {"stop": ["x", "y"], "speculative": False, "top_k": 3}
     assert GenerationOptions.from_kwargs(**options.from_args(args)).stop == ("x", "y")

@@ -167,20 +167,6 @@ def test_a_template_without_tools_is_a_400_that_says_so(plain_url):
     assert r.status_code == 200  # no tools asked for: none rendered
 
 
-@pytest.mark.parametrize(
-    "extra, param",
-    [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-    ],
-)
-def test_valid_requests_the_core_cannot_decode_yet_are_refused_by_name(url, extra, param):
-    r = post(url, {"messages": QUESTION, "max_tokens": 3, **extra})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported"
-    assert r.json()["error"]["param"] == param
-
-
 # ---------------------------------------------------------------- calls in answers
 
 SCRIPT = [

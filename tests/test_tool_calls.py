@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import jsonschema
 import numpy as np
@@ -300,6 +301,25 @@ def test_required_allows_only_calls_with_valid_arguments(real, tok, name, choice
                 jsonschema.validate(arguments, WEATHER)
         done += 1
     assert done >= 3
+
+
+@pytest.mark.parametrize("name", ["qwen2.5", "mistral-nemo", "mistral-small-3.2"])
+def test_a_named_function_or_no_parallel_calls_is_exactly_one_call(real, tok, name):
+    template = real[name]
+    two = assistant_text(with_template(tok, template), [CALLS[0], CALLS[0]])
+    two = re.sub(r"\[CALL_ID\]abcDEF12\d", "", two)  # ids the grammar leaves to the server
+    two_ids = tok.encode(two, add_special_tokens=False)
+    one = assistant_text(with_template(tok, template), CALLS[:1])
+    one_ids = tok.encode(one.replace("[CALL_ID]abcDEF120", ""), add_special_tokens=False)
+    for choice, parallel, both in [
+        (Choice("required"), True, True),
+        (Choice("required"), False, False),
+        (Choice("required", "get_weather"), True, False),
+    ]:
+        spec = required_spec(template, check_tools(TOOLS), choice, set(), parallel)
+        g = Grammar.for_pair(spec, tok, len(tok), [2])
+        assert g.valid_prefix(one_ids) == len(one_ids)
+        assert (g.valid_prefix(two_ids) == len(two_ids)) == both
 
 
 def test_required_is_refused_where_the_format_is_not_json(real):

@@ -16,9 +16,12 @@ from time import perf_counter
 
 import mlx.core as mx
 
+from ..errors import OptionError
 from . import memory
 from .caches import Hit, PromptCache
+from .constraint import Constraint
 from .drafters.base import DistFn, Drafter
+from .logprobs import TokenLogprob, token_logprobs
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions
 from .target import Target
@@ -45,6 +48,7 @@ class Round:
     cached_tokens: int = 0  # prompt ids the prompt cache held (not read again), first round
     comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
     drafter: str = ""  # the registry name of what drafted this round ("": a plain step)
+    logprobs: list[TokenLogprob] | None = None  # per emitted id, when asked for (logprobs.py)
 
 
 class Timing:
@@ -76,10 +80,15 @@ def generate_rounds(
     timing: Timing,
     policy: Policy | None = None,
     prompt_cache: PromptCache | None = None,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[Round]:
     """Yield one Round per target forward pass until a stop ("stop", "length", "context").
     `policy` picks K per round (without one, K = num_draft every round); `prompt_cache`
-    (caches/prompt_cache.py): start from kept states, and keep the final ones."""
+    (caches/prompt_cache.py): start from kept states, and keep the final ones. `constraint`:
+    masks p and q alike (a tree's forbidden candidates are never reached: the walk descends
+    only along ids drawn from masked rows); `logprobs`: report each emitted id's log
+    probability and its `logprobs` most likely (chains and plain steps)."""
     policy = policy or FixedK(num_draft)
     with memory.wired_limit(target.model):
         history = list(prompt)
@@ -95,26 +104,29 @@ def generate_rounds(
                 room = min(max_tokens - generated, context_length - len(history))
                 k = _next_k(policy, drafter, target, generated, room)
                 key, subkey = mx.random.split(key)
-                dist = make_dist(opts, history)
+                dist = make_dist(opts, history, constraint)
+                seen: list | None = [] if logprobs is not None else None  # the target's rows
                 steady = False
                 # A launched pass has run since the last ids were read: its time is this round's.
                 t0 = ready if target.ahead is not None else perf_counter()
                 # A plain step may start the next pass before its id is read (Target.launch).
                 launch = target.takes_lazy_ids and room > 1
                 v = _verify(
-                    target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch
+                    target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
                 policy.observe_time(k, v.n + 1, ready - t0)
                 emitted = (v.drafts[: v.n] + [v.token])[:room]
+                lps = _logprobs(seen, emitted, opts, history, constraint, logprobs)
                 history += emitted
                 steady = True
                 emitted, finish = _stop(
                     emitted, eos_ids, generated, max_tokens, history, context_length
                 )
-                r = _round(
-                    v, emitted, finish, ready - t0, timing, opening if not generated else None
-                )
+                if constraint is not None:
+                    constraint.commit(emitted)  # always allowed: drawn from masked rows
+                first = opening if not generated else None
+                r = _round(v, emitted, finish, ready - t0, timing, first, lps)
                 generated += len(emitted)
                 clearing.after(generated)
                 yield r
@@ -209,10 +221,14 @@ def _verify(
     key: mx.array,
     t0: float,
     launch: bool,
+    seen: list | None = None,
 ) -> _Verdict:
     """One round: a token tree, a chain of k drafts, or a plain step (k = 0) that may launch
-    the next pass (`launch`) when the policy expects the next round to be plain too."""
+    the next pass (`launch`) when the policy expects the next round to be plain too. `seen`
+    gets the target's rows of a chain or a plain step (speculative_round)."""
     if isinstance(k, TreeShape):
+        if seen is not None:
+            raise OptionError("log probabilities are reported for chains and plain steps only")
         target.drop_launch()  # a tree's root is in its own pass
         tr, path, token, draft_time, verify_time = tree_round(target, drafter, last, k, dist, key)
         policy.observe_tree(tr, path, perf_counter() - t0)
@@ -224,19 +240,44 @@ def _verify(
         return _Verdict(drafts, len(path), token, draft_time, verify_time, depth, len(tr) + 1, name)
     if k > 0:
         drafts, n, token, draft_time, verify_time = speculative_round(
-            target, drafter, last, k, dist, key
+            target, drafter, last, k, dist, key, seen
         )
         policy.observe(len(drafts), n)
         rows = len(drafts) + 1 if drafts else 1
         name = _drafter_name(drafter) if drafts else ""
         return _Verdict(drafts, n, token, draft_time, verify_time, len(drafts), rows, name)
     ahead = launch and (drafter is None or policy.expects_plain())
-    token = plain_step(target, last, dist, key, ahead)
+    token = plain_step(target, last, dist, key, ahead, seen)
     verify_time = perf_counter() - t0
     timing.observe_plain_step(verify_time)
     if drafter is not None:
         drafter.commit(0, 0, [token], target.hidden)
     return _Verdict([], 0, token, 0.0, verify_time, 0, 1)
+
+
+def _logprobs(
+    seen: list | None,
+    emitted: list[int],
+    opts: SamplingOptions,
+    history: list[int],
+    constraint: Constraint | None,
+    top: int | None,
+) -> list[TokenLogprob] | None:
+    """The emitted ids' log probabilities from the rows of the target's pass (row i: the
+    distribution emitted[i] was drawn from), before the round is committed. Greedy sampling's
+    rows are one-hot: then the model's own distribution at temperature 1 (the penalty and the
+    mask applied, no filters), as OpenAI reports logprobs at temperature 0."""
+    if seen is None or top is None:
+        return None
+    logits, drafts, p = seen[-1]
+    if opts.greedy:
+        own = SamplingOptions(
+            1.0,
+            repetition_penalty=opts.repetition_penalty,
+            repetition_context=opts.repetition_context,
+        )
+        p = make_dist(own, history, constraint)(logits[: len(emitted)], drafts, 0)
+    return token_logprobs(p, emitted, top)
 
 
 def _stop(
@@ -265,8 +306,10 @@ def _round(
     seconds: float,
     timing: Timing,
     opening: tuple[float, int] | None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> Round:
-    """The Round the loop yields; `opening` (the first round's): prefill seconds, cached ids."""
+    """The Round the loop yields; `opening` (the first round's): prefill seconds, cached ids;
+    `logprobs`: of the round's ids before the stop (cut to the emitted ones)."""
     prefill_time, cached = opening or (0.0, 0)
     return Round(
         accepted=v.drafts[: v.n],
@@ -283,4 +326,5 @@ def _round(
         prefill_time=prefill_time,
         cached_tokens=cached,
         drafter=v.drafter,
+        logprobs=None if logprobs is None else logprobs[: len(emitted)],
     )

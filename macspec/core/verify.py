@@ -13,21 +13,27 @@ from time import perf_counter
 import mlx.core as mx
 
 from . import hooks
-from .drafters.base import DistFn, Drafter
+from .constraint import Constraint, masked
+from .drafters.base import DistFn, Drafter, Proposal
 from .sampling import SamplingOptions, distribution, penalty_windows, sample
 from .target import Target
 
 
-def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
+def make_dist(
+    opts: SamplingOptions, history: list[int], constraint: Constraint | None = None
+) -> DistFn:
     """The sampling distribution for rows that follow `history` + extra[:first_row + r].
 
     `columns` (optional) says the logits cover only some ids: it maps every id to its column,
     or to len(columns of logits) for an id they lack (a drafter with its own smaller
-    vocabulary); the missing ids then have probability 0, as they would with logits of -inf."""
+    vocabulary); the missing ids then have probability 0, as they would with logits of -inf.
+    `constraint`: its mask comes first, so that every transform chooses among allowed ids."""
 
     def dist(
         logits: mx.array, extra: mx.array | None, first_row: int, columns: mx.array | None = None
     ) -> mx.array:
+        if constraint is not None:
+            logits = masked(logits, constraint, extra, first_row, columns)
         if opts.repetition_penalty == 1.0:
             return distribution(logits, opts)
         rows = first_row + logits.shape[0]
@@ -39,7 +45,9 @@ def make_dist(opts: SamplingOptions, history: list[int]) -> DistFn:
         probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
         return probs[:, :-1]
 
-    dist.needs_history = opts.repetition_penalty != 1.0  # rows depend on the ids before them
+    # Rows depend on the ids before them (the penalty's windows, the constraint's state).
+    dist.needs_history = opts.repetition_penalty != 1.0 or constraint is not None
+    dist.constraint = constraint
     return dist
 
 
@@ -66,12 +74,19 @@ def one_hot(tokens: mx.array, vocab: int) -> mx.array:
 
 
 def speculative_round(
-    target: Target, drafter: Drafter, last: int, k: int, dist: DistFn, key: mx.array
+    target: Target,
+    drafter: Drafter,
+    last: int,
+    k: int,
+    dist: DistFn,
+    key: mx.array,
+    seen: list | None = None,
 ) -> tuple[list[int], int, int, float, float]:
     """Draft up to k tokens, verify them and the next position in one target pass, accept.
 
     Returns (drafts, n_accepted, target_token, draft_seconds, verify_seconds). Both caches end
-    holding exactly the accepted context, also when something fails half-way."""
+    holding exactly the accepted context, also when something fails half-way. `seen`: gets the
+    target's (logits, drafts, p) of the pass appended (for log probabilities)."""
     draft_key, accept_key = mx.random.split(key)
     start, done = target.offset, False
     drafts: list[int] = []
@@ -79,14 +94,18 @@ def speculative_round(
     try:
         t0 = perf_counter()
         proposal = drafter.propose(k, dist, draft_key)
+        # The drafter is told of all it proposed (it fed them), the target sees the allowed part.
+        k = proposal.tokens.size
+        proposal = allowed_part(proposal, dist)
         # The drafts compute while Python builds the verification graph (~3 ms a pass), which
         # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
         # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
         mx.async_eval(proposal.tokens)
-        k = proposal.tokens.size
         with hooks.serial():
             logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
         p = dist(logits, proposal.tokens, 0)
+        if seen is not None:
+            seen.append((logits, proposal.tokens, p))
         q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
         n_arr, token_arr = accept(p, q, proposal.tokens, accept_key)
         mx.eval(proposal.tokens)
@@ -105,10 +124,36 @@ def speculative_round(
             drafter.abort(k)
 
 
-def plain_step(target: Target, last: int, dist: DistFn, key: mx.array, ahead: bool = False) -> int:
+def allowed_part(proposal: Proposal, dist: DistFn) -> Proposal:
+    """A proposal cut before the first id the constraint forbids: a copy (q = None) may hold
+    any id, a drafter with its own smaller vocabulary may have none allowed at a position
+    (constraint.masked). Possibly empty: the round is then a plain step."""
+    constraint = getattr(dist, "constraint", None)
+    if constraint is None or not proposal.tokens.size:
+        return proposal
+    n = constraint.valid_prefix(proposal.tokens.tolist())
+    if n == proposal.tokens.size:
+        return proposal
+    probs = proposal.probs[:n] if proposal.probs is not None else None
+    return Proposal(proposal.tokens[:n], probs)
+
+
+def plain_step(
+    target: Target,
+    last: int,
+    dist: DistFn,
+    key: mx.array,
+    ahead: bool = False,
+    seen: list | None = None,
+) -> int:
     """One ordinary decoding step with the same sampling distribution. `ahead`: the pass over
-    the sampled id starts before the id is read (Target.launch), while Python waits for it."""
-    token = sample(dist(target.logits(mx.array([last])), None, 0), key)
+    the sampled id starts before the id is read (Target.launch), while Python waits for it.
+    `seen`: as speculative_round's."""
+    logits = target.logits(mx.array([last]))
+    p = dist(logits, None, 0)
+    if seen is not None:
+        seen.append((logits, None, p))
+    token = sample(p, key)
     if ahead:
         mx.async_eval(token)  # computed while Python builds the next pass
         target.launch(token)

@@ -19,9 +19,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import api, chat_template, tool_calls
+from .. import api, chat_template, grammar, tool_calls
 from ..pair import Pair
-from . import protocol
+from . import logprobs, protocol
 from .protocol import DONE, HTTPError, Request, chunk, error_body, sse
 from .scheduler import END, Job, Scheduler
 
@@ -94,6 +94,23 @@ class _Server:
         self.defaults, self.max_body = defaults, max_body
         self.model_id = pair.target_path.name
         self.created = int(time.time())
+        self._pieces: logprobs.Pieces | None = None
+
+    def pieces(self) -> logprobs.Pieces:
+        """Each id's bytes, for logprobs (llguidance's view of the tokenizer: exact bytes)."""
+        if self._pieces is None:
+            eos = sorted(self.pair.eos_token_ids)
+            lltok = grammar.ll_tokenizer(self.pair.tokenizer, eos)
+            self._pieces = logprobs.Pieces(lltok.decode_bytes)
+        return self._pieces
+
+    def _logprobs(self, req: Request, entries: list, offset: int = 0) -> dict | None:
+        """A choice's `logprobs` in the endpoint's shape (None when not asked for)."""
+        if req.logprobs is None:
+            return None
+        if req.endpoint == "chat":
+            return logprobs.chat(entries, self.pieces(), req.logprobs)
+        return logprobs.legacy(entries, self.pieces(), req.logprobs, offset)
 
     # -- endpoints
 
@@ -150,7 +167,6 @@ class _Server:
                 self._check_model(req.model)
             ids, family = self._prompt(req)
             api.check_length(self.pair, ids)
-            protocol.refuse_undecodable(req)
         except Exception as e:
             return error_response(e)
         job = self.scheduler.submit(ids, req.options)
@@ -191,8 +207,9 @@ class _Server:
                 )
         if req.tool_choice.mode == "required":
             specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+            template, parallel = tokenizer.chat_template, req.parallel_tool_calls
             spec = tool_calls.required_spec(
-                tokenizer.chat_template, req.tools, req.tool_choice, specials
+                template, req.tools, req.tool_choice, specials, parallel
             )
             req.options["grammar"] = spec.text
         return api.prompt_ids(self.pair, text), family
@@ -206,11 +223,12 @@ class _Server:
         request: HTTPRequest,
         family: str | None,
     ) -> Response:
-        parts, stats, reason = [], None, None
+        parts, stats, reason, entries = [], None, None, []
         while item is not END:
             if isinstance(item, BaseException):
                 return error_response(item)
             parts.append(item.text)
+            entries += item.logprobs or ()
             stats, reason = item.stats, item.finish_reason or reason
             item = await self._next(job, request)
         text, calls = "".join(parts), []
@@ -222,7 +240,8 @@ class _Server:
         rid = protocol.new_id(req.endpoint)
         use = protocol.usage(stats, prompt_tokens)
         end = protocol.finish_reason(reason)
-        body = protocol.answer(req, rid, self.model_id, text, end, use, calls)
+        lps = self._logprobs(req, entries)
+        body = protocol.answer(req, rid, self.model_id, text, end, use, calls, lps)
         return JSONResponse(body)
 
     async def _events(
@@ -231,7 +250,7 @@ class _Server:
         """The server-sent events of a streamed answer: one chunk per round (tool calls in the
         chunk of the round that completes them)."""
         rid, created, model = protocol.new_id(req.endpoint), int(time.time()), self.model_id
-        stats, reason = None, None
+        stats, reason, entries, offset = None, None, [], 0
         reader = tool_calls.ToolCallStream(family) if family is not None else None
         try:
             if req.endpoint == "chat":
@@ -243,15 +262,21 @@ class _Server:
                     return
                 stats, reason = item.stats, item.finish_reason or reason
                 text, calls = reader.feed(item.text) if reader else (item.text, [])
+                entries += item.logprobs or ()  # held with text a tool-call reader holds back
                 if text or calls:
                     live = {"drafted": item.num_draft, "accepted": len(item.accepted)}
                     numbered = _numbered(reader, calls)
-                    yield chunk(req, rid, model, created, text, extra=live, calls=numbered)
+                    lps = self._logprobs(req, entries, offset)
+                    entries, offset = [], offset + len(text)
+                    yield chunk(
+                        req, rid, model, created, text, extra=live, calls=numbered, logprobs=lps
+                    )
                 item = await job.events.get()
             if reader is not None:
                 text, calls = reader.finish()
                 if text or calls:
-                    yield chunk(req, rid, model, created, text, calls=_numbered(reader, calls))
+                    numbered, lps = _numbered(reader, calls), self._logprobs(req, entries, offset)
+                    yield chunk(req, rid, model, created, text, calls=numbered, logprobs=lps)
             end = protocol.finish_reason(None if job.stopped else reason)
             if reader is not None and reader.calls and end == "stop":
                 end = "tool_calls"

@@ -12,19 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-MAX_TOP = 20  # OpenAI's limit for top_logprobs (chat)
-MAX_LEGACY = 5  # and for logprobs on /v1/completions
+from ..core.logprobs import MAX_TOP, TokenLogprob
+
+__all__ = ["MAX_TOP", "Pieces", "TokenLogprob", "chat", "legacy"]
+
+MAX_LEGACY = 5  # OpenAI's limit for logprobs on /v1/completions
 FLOOR = -9999.0  # OpenAI's stand-in for log(0): JSON has no -inf
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
 def _finite(x: float) -> float:

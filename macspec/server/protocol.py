@@ -76,7 +76,6 @@ _OFF = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "logit_bias": (None, {}),
-    "parallel_tool_calls": (None, True),
 }
 # Fields a request may set, under OpenAI's names, mapped onto GenerationOptions.
 _ALIASES = {"max_completion_tokens": "max_tokens"}
@@ -94,6 +93,7 @@ class Request:
     include_usage: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Choice = Choice("none")
+    parallel_tool_calls: bool = True  # false: a required call is exactly one
     logprobs: int | None = None  # top ids to report with each token's logprob; None: off
 
 
@@ -124,6 +124,9 @@ def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any])
     _response_format(data.get("response_format"), req.options)
     _tools(data, req)
     req.logprobs = _logprobs(data, endpoint)
+    req.options.pop("top_logprobs", None)  # the body's own field, read by _logprobs
+    if req.logprobs is not None:
+        req.options["top_logprobs"] = req.logprobs
     return req
 
 
@@ -163,6 +166,8 @@ def _tools(data: dict[str, Any], req: Request) -> None:
     try:
         req.tools = tool_calls.check_tools(tools) if tools is not None else []
         req.tool_choice = tool_calls.check_choice(choice, req.tools)
+        if data.get("parallel_tool_calls") is not None:
+            req.parallel_tool_calls = _flag(data, "parallel_tool_calls")
     except tool_calls.ToolError as e:
         raise HTTPError(str(e), param=e.param, code="invalid_value") from None
     if req.tool_choice.mode == "required" and req.options.get("json_schema") is not None:
@@ -185,24 +190,6 @@ def _logprobs(data: dict[str, Any], endpoint: str) -> int | None:
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP:
         raise HTTPError(f"{param} must be an integer from 0 to {MAX_TOP}", param=param)
     return top
-
-
-def refuse_undecodable(req: Request) -> None:
-    """What the core cannot decode yet (constraints, logprobs): checked, then refused by name."""
-    if req.logprobs is not None:
-        param = "logprobs" if req.endpoint == "completion" else "top_logprobs"
-        raise HTTPError("logprobs are not in this build yet", param=param, code="unsupported")
-    if req.tool_choice.mode == "required":
-        param = "tool_choice"
-    elif req.options.get("json_schema") is not None or req.options.get("grammar") is not None:
-        param = "response_format" if "json_schema" in req.options else "grammar"
-    else:
-        return
-    raise HTTPError(
-        f"{param}: constrained decoding is not in this build yet (the request is valid)",
-        param=param,
-        code="unsupported",
-    )
 
 
 def _flag(data: dict, name: str, param: str | None = None) -> bool:
