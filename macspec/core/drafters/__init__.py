@@ -8,6 +8,7 @@ from .base import DistFn, Drafter, Proposal
 from .eagle import EagleDrafter
 from .hybrid import HybridDrafter
 from .model import ModelDrafter
+from .mtp import MtpDrafter
 from .ngram import COPY_PRIORS, MATCH_BUCKETS, NgramDrafter, match_label
 
 REGISTRY: dict[str, type] = {}
@@ -28,7 +29,7 @@ def drafter_class(name: str) -> type:
     return REGISTRY[name]
 
 
-for _cls in (ModelDrafter, NgramDrafter, HybridDrafter, EagleDrafter):
+for _cls in (ModelDrafter, NgramDrafter, HybridDrafter, EagleDrafter, MtpDrafter):
     register(_cls)
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "EagleDrafter",
     "HybridDrafter",
     "ModelDrafter",
+    "MtpDrafter",
     "NgramDrafter",
     "Proposal",
     "drafter_class",
