@@ -122,7 +122,7 @@ log = logging.getLogger("macspec")
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
-FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files"}
+FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files", "eagle3": "macspec.models.eagle3_draft"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
 DRAFTERS = {name: drafter_class(name).summary for name in ("model", "ngram", "mtp")}
 # Drafters that need no draft model (the context, the target's own heads).
@@ -337,10 +337,13 @@ def _checked_caches(model: nn.Module, where: Path, role: str, vocab: int) -> dic
 
 
 def _feature_draft_kind(path: Path) -> str | None:
-    """The kind a distilled draft declares in draft.json, or None for an ordinary model."""
+    """The kind a distilled draft declares in draft.json, "eagle3" for a published EAGLE-3
+    draft (its config.json says so), or None for an ordinary model."""
+    from .models.eagle3_export import is_draft
+
     meta = path / "draft.json"
     if not meta.is_file():
-        return None
+        return "eagle3" if is_draft(path) else None
     try:
         kind = json.loads(meta.read_text()).get("kind")
     except (OSError, ValueError, AttributeError) as e:
