@@ -16,6 +16,7 @@ from tinymodels import make_tiny_model
 
 import macspec
 from macspec.core import caches
+from macspec.core import target as target_module
 from macspec.core.drafters import MtpDrafter, drafter_class
 from macspec.core.target import hidden_states
 from macspec.errors import ModelError, OptionError
@@ -266,3 +267,26 @@ def test_trees_are_refused(targets):
     pair = macspec.load(targets["deepseek_v3"], drafter="mtp", measure=False)
     with pytest.raises(OptionError, match="MTP drafter proposes chains only"):
         macspec.generate(pair, "ab", max_tokens=4, tree_nodes=4)
+
+
+def test_costs_are_measured_on_the_heads(targets, tmp_path, monkeypatch):
+    """The adaptive policy's draft cost is measured on MTP rounds (the head's layer and output
+    product per token, not a draft model), and the verification passes keep hidden states as
+    the drafter makes the target do."""
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    calls = {"propose": 0, "hidden": 0}
+    propose, hidden = MtpDrafter.propose, target_module.hidden_states
+
+    def counted_propose(self, *args, **kwargs):
+        calls["propose"] += 1
+        return propose(self, *args, **kwargs)
+
+    def counted_hidden(*args, **kwargs):
+        calls["hidden"] += 1
+        return hidden(*args, **kwargs)
+
+    monkeypatch.setattr(MtpDrafter, "propose", counted_propose)
+    monkeypatch.setattr(target_module, "hidden_states", counted_hidden)
+    pair = macspec.load(targets["glm4_moe"], drafter="mtp")
+    assert pair.costs is not None and pair.costs.draft_step > 0
+    assert calls["propose"] >= 3 and calls["hidden"] > 0
