@@ -258,3 +258,16 @@ def test_bad_drafts_are_refused_at_load(dirs, tmp_path, monkeypatch, change, mes
     assert str(path) in str(e.value)
     assert not (tmp_path / "home").exists() or not any(store_root().iterdir())
     shutil.rmtree(path)
+
+
+def test_check_compares_no_tokenizer_but_the_target(dirs, tmp_path, monkeypatch):
+    from macspec.models.compat import check
+
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    target, drafts = dirs
+    report = check(target, drafts["specforge"])
+    assert report.compatible
+    assert "an EAGLE-3 draft (specforge format) proposing 60 of the target's ids" in report.format()
+    wide = _other(tmp_path, "wide", hidden=64)
+    report = check(wide, drafts["specforge"])
+    assert not report.compatible and "hidden size 64" in report.errors[0]
