@@ -290,3 +290,28 @@ def test_costs_are_measured_on_the_heads(targets, tmp_path, monkeypatch):
     pair = macspec.load(targets["glm4_moe"], drafter="mtp")
     assert pair.costs is not None and pair.costs.draft_step > 0
     assert calls["propose"] >= 3 and calls["hidden"] > 0
+
+
+def test_a_head_left_unused_is_fed_before_its_states_pile_up(targets):
+    """One-draft proposals never reach head 1: its pending states are fed once they pass PILE,
+    and the next deeper proposal still equals a recomputation."""
+    from macspec.core.drafters.mtp import PILE
+
+    pair = mtp_pair(targets["deepseek_v3"])
+    drafter = pair.make_drafter(False)
+    context = [1, 10, 11, 12]
+    drafter.start(context, hidden_states(pair.target, mx.array(context[:-1]), None))
+    key = mx.random.key(1)
+    for i in range(PILE + 20):
+        key, sub = mx.random.split(key)
+        drafts = drafter.propose(1, soft, sub).tokens.tolist()
+        n = i % 2
+        emitted = drafts[:n] + [(7 * i) % 60 + 1]
+        hid = hidden_states(pair.target, mx.array(context + drafts[:n]), None)[-(n + 1) :]
+        drafter.commit(1, n, emitted, hid)
+        context += emitted
+        assert drafter.pend[1] is None or drafter.pend[1].shape[0] <= PILE
+    proposal = drafter.propose(2, soft, key)
+    refs = reference_logits(pair, drafter, context, proposal.tokens.tolist()[:1])
+    for j, ref in enumerate(refs):
+        assert mx.allclose(proposal.probs[j], mx.softmax(ref, -1)[0], atol=1e-4).item(), j

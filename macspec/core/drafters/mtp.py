@@ -33,6 +33,8 @@ from .base import DistFn, Proposal
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early (as the EAGLE drafter: a doubtful token is rarely accepted).
 STOP_BELOW = 0.3
+# Pending states of a later head beyond which commit() feeds them (bounded memory and graphs).
+PILE = 64
 
 
 class MtpDrafter:
@@ -168,6 +170,9 @@ class MtpDrafter:
         self._proposed = False
         self.ids += emitted
         self._queue(hidden, len(emitted))
+        # Proposals that stop before a head leave its states piling up: feed them now and then.
+        if any(p is not None and p.shape[0] > PILE for p in self.pend[1:]):
+            self._catch_up()
 
     def _keep_real(self, n: int) -> None:
         """After a proposal in which n drafts were accepted: every head back to its real
