@@ -9,6 +9,7 @@ import json
 import shutil
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from drafter_models import make_eagle3_draft, make_eagle_target
@@ -271,3 +272,84 @@ def test_check_compares_no_tokenizer_but_the_target(dirs, tmp_path, monkeypatch)
     wide = _other(tmp_path, "wide", hidden=64)
     report = check(wide, drafts["specforge"])
     assert not report.compatible and "hidden size 64" in report.errors[0]
+
+
+# ------------------------------------------------------------------ the published forward
+
+
+def _rms(x, w, eps=1e-5):
+    return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _attention(x, w, p, heads=4, kv=2, base=10000.0):
+    """Llama attention over x (1, T, D) from the raw tensors, causal, RoPE from position 0."""
+    _, t, _ = x.shape
+
+    def split(name, n):
+        return (x @ w[p + name].T).reshape(1, t, n, -1).transpose(0, 2, 1, 3)
+
+    q, k, v = split("q_proj.weight", heads), split("k_proj.weight", kv), split("v_proj.weight", kv)
+    hd = q.shape[-1]
+    q = mx.fast.rope(q, hd, traditional=False, base=base, scale=1.0, offset=0)
+    k = mx.fast.rope(k, hd, traditional=False, base=base, scale=1.0, offset=0)
+    k, v = mx.repeat(k, heads // kv, axis=1), mx.repeat(v, heads // kv, axis=1)
+    scores = (q @ k.swapaxes(-1, -2)) * hd**-0.5 + mx.triu(mx.full((t, t), -mx.inf), k=1)
+    out = (mx.softmax(scores, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(1, t, -1)
+    return out @ w[p + "o_proj.weight"].T
+
+
+def reference_forward(w, fmt, features, embeds, norm_before_residual=False, fc_norm=False):
+    """The authors' cnets.py Model over rows with real features (the keys as published):
+    g = fc(f_low, f_mid, f_high); attention over cat(input_layernorm(e), hidden_norm(g)) with
+    residual g (or hidden_norm(g)); logits = lm_head(norm(out))."""
+    p = "layers.0." if fmt == "speculators" else "midlayer."
+    ht = features.shape[-1] // 3
+    parts = [features[..., i * ht : (i + 1) * ht] for i in range(3)]
+    if fc_norm:
+        parts = [_rms(f, w[f"fc_norm.{i}.weight"]) for i, f in enumerate(parts)]
+    g = mx.concatenate(parts, axis=-1) @ w["fc.weight"].T
+    normed = _rms(g, w[p + "hidden_norm.weight"])
+    x0 = mx.concatenate([_rms(embeds, w[p + "input_layernorm.weight"]), normed], axis=-1)
+    h = (normed if norm_before_residual else g) + _attention(x0, w, p + "self_attn.")
+    m = _rms(h, w[p + "post_attention_layernorm.weight"])
+    gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+    out = h + (nn.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+VARIANTS = {
+    "eagle": ("eagle", {}),
+    "specforge+fc_norm": ("specforge", {"fc_norm": True}),
+    "speculators+norm_before_residual": ("speculators", {"norm_before_residual": True}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant):
+    target, _ = dirs
+    fmt, flags = VARIANTS[variant]
+
+    def edit(config, arrays):
+        config.update(flags)
+        if flags.get("fc_norm"):
+            arrays.update(
+                {f"fc_norm.{i}.weight": 1 + 0.2 * mx.random.normal((32,)) for i in range(3)}
+            )
+
+    path = make_eagle3_draft(tmp_path / variant, target, fmt, draft_vocab=60, seed=4, edit=edit)
+    w = {k: v.astype(mx.float32) for k, v in mx.load(str(path / "model.safetensors")).items()}
+    pair = macspec.load(target, path, drafter="model", measure=False)
+    drafter = pair.make_drafter(False)
+    draft, parts = drafter.draft, drafter.parts
+    mx.random.seed(0)
+    features = 3 * mx.random.normal((1, 5, 3 * 32))
+    ids = mx.array([3, 9, 27, 41, 8])
+    embeds = parts.embed(ids)[None]
+    final = mx.zeros((1, 5, 32))  # the target's final features: EAGLE-3 does not read them
+    out = draft.step(draft.state(mx.concatenate([features, final], -1)), embeds)
+    got = draft.decode(out) @ draft.head_weight().T
+    want = reference_forward(w, fmt, features, embeds, **flags)
+    assert mx.allclose(got, want, atol=2e-4, rtol=1e-4).item(), variant
+    # and the draft's ids are the target ids d2t names (offsets: target = draft + d2t)
+    d2t = np.array(w["d2t"]).astype(np.int64)
+    assert parts.vocab_ids.tolist() == (np.arange(60) + d2t).tolist()
