@@ -81,9 +81,10 @@ class Pair:
         """Token trees need a draft model (or feature draft) and full-attention caches."""
         if self.drafter_kind == "ngram":
             raise OptionError("tree_nodes needs a draft model: this pair drafts by n-gram only")
-        if self.drafter_kind == "mtp":
+        if self.drafter_kind == "mtp" and self.make_drafter(False).count > 1:
             raise OptionError(
-                "tree_nodes: the MTP drafter proposes chains only; leave tree_nodes=0"
+                "tree_nodes: several MTP heads draft chains only (each head's cache lags the "
+                "one before); leave tree_nodes=0"
             )
         for role, found in (("target", self.cache_kinds), ("draft", self.draft_cache_kinds)):
             other = sorted(set(found) - {"attention"})

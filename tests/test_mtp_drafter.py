@@ -263,10 +263,33 @@ def test_truncated_stored_heads_are_refused_by_key(targets, tmp_path):
         macspec.load(broken, drafter="mtp", measure=False)
 
 
-def test_trees_are_refused(targets):
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_one_head_drafts_token_trees(tmp_path_factory, targets, arch):
+    """Trees on attention-only targets with one head (GQA: GLM-4.5; MLA: DeepSeek-V3)."""
+    path = targets[arch]
+    if arch == "deepseek_v3":  # the module's DeepSeek target has two heads: one of its own
+        path = _convert(tmp_path_factory.mktemp("one-head"), arch, 1)
+    pair = mtp_pair(path)
+    accepted = rejected = 0
+    for prompt in ["Once upon", "ab ab ab ab"]:
+        plain = macspec.generate(pair, prompt, max_tokens=24, speculative=False)
+        for nodes in (4, 8):
+            spec = macspec.generate(
+                pair, prompt, max_tokens=24, num_draft=3, tree_nodes=nodes, adaptive=False
+            )
+            assert spec.tokens == plain.tokens, (prompt, nodes)
+            accepted += spec.stats.accepted
+            rejected += spec.stats.drafted - spec.stats.accepted
+    assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+def test_trees_are_refused_with_several_heads_or_a_hybrid_target(targets):
     pair = macspec.load(targets["deepseek_v3"], drafter="mtp", measure=False)
-    with pytest.raises(OptionError, match="MTP drafter proposes chains only"):
+    with pytest.raises(OptionError, match="several MTP heads draft chains only"):
         macspec.generate(pair, "ab", max_tokens=4, tree_nodes=4)
+    hybrid = macspec.load(targets["qwen3_5"], drafter="mtp", measure=False)
+    with pytest.raises(OptionError, match="recurrent layers cannot verify a token tree"):
+        macspec.generate(hybrid, "ab", max_tokens=4, tree_nodes=4)
 
 
 def test_costs_are_measured_on_the_heads(targets, tmp_path, monkeypatch):

@@ -18,13 +18,15 @@ from) and applies the exact rule (verify.accept).
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from ...errors import CacheError, ModelError
-from .. import caches
+from .. import caches, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import language_model, output_head
@@ -130,6 +132,38 @@ class MtpDrafter:
                 if confidence.item() < self.stop_below:
                     break
         return Proposal(mx.concatenate(tokens), mx.concatenate(probs))
+
+    def propose_tree(self, shape: tree.TreeShape) -> tree.Tree:
+        """One head (Pair.check_trees refuses several): candidates as a tree (tree.grow), each
+        kept node's recycled output feeding its children, a level at a time in one tree pass of
+        the head's block, as EagleDrafter.propose_tree."""
+        if self.count != 1 or self.pend[0] is None:
+            raise ModelError("MTP token trees need one head and a target hidden state")
+        self._at, self._outs, self._proposed = [self.caches[0].offset], {}, True
+        n_ctx = len(self.ids)
+        outs = {-1: self._chain(0, mx.array(self.ids, dtype=mx.int32), [], n_ctx)[-1:]}
+        context, fed, head, cache = self.caches[0].offset, [], self.heads[0], self.caches[0]
+
+        def probs(out: mx.array) -> mx.array:
+            return mx.softmax(self._logits(0, out), axis=-1)
+
+        def expand(t: tree.Tree, nodes: list[int]) -> mx.array:
+            mask = tree.attend(t, context, fed + nodes, nodes)
+            states = mx.concatenate([self._recycle(0, outs[t.parents[i]]) for i in nodes])
+            ids = mx.array([t.tokens[i] for i in nodes], dtype=mx.int32)
+            with tree.tree_pass(head, [cache], mask, [t.depths[i] for i in nodes], context - 1):
+                out = head(states[None], self._embed(0, ids)[None], mask, cache)[0]
+            fed.extend(nodes)
+            outs.update({i: out[r : r + 1] for r, i in enumerate(nodes)})
+            return probs(out)
+
+        return tree.grow(shape, expand, probs(outs[-1]))
+
+    def commit_tree(
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+    ) -> None:
+        # The tree's rows go; the target's states of the kept ids are queued (as commit).
+        self.commit(len(t), len(accepted), emitted, hidden)
 
     def _chain(self, j: int, real: mx.array, tokens: list[mx.array], n_ctx: int) -> mx.array:
         """Head j (first use in a proposal) over positions at[j]..N-2: states from pend[j] then
