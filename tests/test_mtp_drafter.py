@@ -22,6 +22,7 @@ from macspec.core.target import hidden_states
 from macspec.errors import ModelError, OptionError
 from macspec.models import mtp
 from macspec.models.convert import convert
+from macspec.models.store import store_root
 
 # (architecture, heads): every layout, hybrid targets (qwen3_next, qwen3_5) among them
 TARGETS = {"deepseek_v3": 2, "glm4_moe": 1, "qwen3_next": 2, "qwen3_5": 1, "mimo": 3}
@@ -243,15 +244,23 @@ def test_distribution_at_temperature_one(small, arch, options, broken, monkeypat
 # ------------------------------------------------------------------ refused
 
 
-def test_a_model_without_heads_is_refused_naming_the_file(tmp_path):
+def _store_is_empty() -> bool:
+    root = store_root()
+    return not root.exists() or not any(root.iterdir())
+
+
+def test_a_model_without_heads_is_refused_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
     plain = make_tiny_model(tmp_path / "plain", seed=1)
     with pytest.raises(ModelError, match=r"plain keeps no MTP heads \(mtp.json is missing\)"):
         macspec.load(plain, drafter="mtp", measure=False)
     with pytest.raises(OptionError, match="drafter='mtp' uses no draft model"):
         macspec.load(plain, plain, drafter="mtp")
+    assert _store_is_empty()
 
 
-def test_truncated_stored_heads_are_refused_by_key(targets, tmp_path):
+def test_truncated_stored_heads_are_refused_by_key(targets, tmp_path, monkeypatch):
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
     broken = shutil.copytree(targets["mimo"], tmp_path / "mimo")
     weights = mx.load(str(broken / mtp.WEIGHTS))
     weights.pop("heads.2.out_norm.weight")
@@ -261,6 +270,7 @@ def test_truncated_stored_heads_are_refused_by_key(targets, tmp_path):
     (broken / mtp.WEIGHTS).write_bytes(b"not a safetensors file")
     with pytest.raises(ModelError, match="cannot read .*mtp.safetensors"):
         macspec.load(broken, drafter="mtp", measure=False)
+    assert _store_is_empty()
 
 
 @pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
