@@ -282,13 +282,16 @@ def _rms(x, w, eps=1e-5):
 
 
 def _attention(x, w, p, heads=4, kv=2, base=10000.0):
-    """Llama attention over x (1, T, D) from the raw tensors, causal, RoPE from position 0."""
+    """Llama attention over x (1, T, D) from the raw tensors, causal, RoPE from position 0
+    (Qwen3's: q_norm / k_norm over each head first)."""
     _, t, _ = x.shape
 
     def split(name, n):
         return (x @ w[p + name].T).reshape(1, t, n, -1).transpose(0, 2, 1, 3)
 
     q, k, v = split("q_proj.weight", heads), split("k_proj.weight", kv), split("v_proj.weight", kv)
+    if p + "q_norm.weight" in w:
+        q, k = _rms(q, w[p + "q_norm.weight"]), _rms(k, w[p + "k_norm.weight"])
     hd = q.shape[-1]
     q = mx.fast.rope(q, hd, traditional=False, base=base, scale=1.0, offset=0)
     k = mx.fast.rope(k, hd, traditional=False, base=base, scale=1.0, offset=0)
@@ -298,7 +301,9 @@ def _attention(x, w, p, heads=4, kv=2, base=10000.0):
     return out @ w[p + "o_proj.weight"].T
 
 
-def reference_forward(w, fmt, features, embeds, norm_before_residual=False, fc_norm=False):
+def reference_forward(
+    w, fmt, features, embeds, norm_before_residual=False, fc_norm=False, qwen3=False
+):
     """The authors' cnets.py Model over rows with real features (the keys as published):
     g = fc(f_low, f_mid, f_high); attention over cat(input_layernorm(e), hidden_norm(g)) with
     residual g (or hidden_norm(g)); logits = lm_head(norm(out))."""
@@ -321,7 +326,15 @@ VARIANTS = {
     "eagle": ("eagle", {}),
     "specforge+fc_norm": ("specforge", {"fc_norm": True}),
     "speculators+norm_before_residual": ("speculators", {"norm_before_residual": True}),
+    "speculators+qwen3": ("speculators", {"qwen3": True}),
 }
+
+
+def qwen3_layers(config, arrays):
+    """A speculators draft of Qwen3 layers: q_norm / k_norm over each head."""
+    config["transformer_layer_config"]["model_type"] = "qwen3"
+    for name in ("q_norm", "k_norm"):
+        arrays[f"layers.0.self_attn.{name}.weight"] = 1 + 0.2 * mx.random.normal((8,))
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -330,7 +343,9 @@ def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant):
     fmt, flags = VARIANTS[variant]
 
     def edit(config, arrays):
-        config.update(flags)
+        config.update({k: v for k, v in flags.items() if k != "qwen3"})
+        if flags.get("qwen3"):
+            qwen3_layers(config, arrays)
         if flags.get("fc_norm"):
             arrays.update(
                 {f"fc_norm.{i}.weight": 1 + 0.2 * mx.random.normal((32,)) for i in range(3)}
@@ -353,3 +368,23 @@ def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant):
     # and the draft's ids are the target ids d2t names (offsets: target = draft + d2t)
     d2t = np.array(w["d2t"]).astype(np.int64)
     assert parts.vocab_ids.tolist() == (np.arange(60) + d2t).tolist()
+
+
+def test_a_qwen3_draft_recycling_normed_states_drafts_exactly(dirs, tmp_path):
+    """speculators' Qwen3 layers with norm_output (the next position reads norm(out))."""
+    target, _ = dirs
+    tame = tamed(target)
+
+    def edit(config, arrays):
+        tame(config, arrays)
+        qwen3_layers(config, arrays)
+        config["norm_output"] = True
+
+    path = make_eagle3_draft(tmp_path / "q3", target, "speculators", draft_vocab=60, edit=edit)
+    pair = load(target, path, drafter="model")
+    draft = pair.make_drafter(False).draft
+    assert draft.recycle_normed and "q_norm" in draft.layers[0].self_attn
+    for prompt in ["Once upon", "ab ab ab"]:
+        plain = macspec.generate(pair, prompt, max_tokens=16, speculative=False)
+        for kw in ({"num_draft": 3, "adaptive": False}, {"num_draft": 3, "tree_nodes": 4}):
+            assert macspec.generate(pair, prompt, max_tokens=16, **kw).tokens == plain.tokens
