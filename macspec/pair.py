@@ -33,6 +33,7 @@ from .core import (
 from .errors import MacspecError, ModelError, OptionError
 from .kept_costs import calibrate
 from .models.compat import check_tokenizers
+from .models.mtp import summary as mtp_summary
 from .models.store import resolve_model
 
 
@@ -74,13 +75,20 @@ class Pair:
         if self.drafter_kind is None:
             return f"{target}, plain decoding (no draft)"
         if self.draft_path is None:
-            return f"{target}, {self.drafter_kind} drafting (no draft model)"
+            heads = mtp_summary(self.target_path) if self.drafter_kind == "mtp" else None
+            how = f" ({heads})" if heads else " (no draft model)"
+            return f"{target}, {self.drafter_kind} drafting{how}"
         return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
 
     def check_trees(self) -> None:
         """Token trees need a draft model (or feature draft) and full-attention caches."""
         if self.drafter_kind == "ngram":
             raise OptionError("tree_nodes needs a draft model: this pair drafts by n-gram only")
+        if self.drafter_kind == "mtp" and self.make_drafter(False).count > 1:
+            raise OptionError(
+                "tree_nodes: several MTP heads draft chains only (each head's cache lags the "
+                "one before); leave tree_nodes=0"
+            )
         for role, found in (("target", self.cache_kinds), ("draft", self.draft_cache_kinds)):
             other = sorted(set(found) - {"attention"})
             if other:
@@ -118,9 +126,11 @@ log = logging.getLogger("macspec")
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
-FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files"}
+FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files", "eagle3": "macspec.models.eagle3_draft"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
-DRAFTERS = {name: drafter_class(name).summary for name in ("model", "ngram")}
+DRAFTERS = {name: drafter_class(name).summary for name in ("model", "ngram", "mtp")}
+# Drafters that need no draft model (the context, the target's own heads).
+OWN_DRAFTERS = ("ngram", "mtp")
 
 
 def _load_model(
@@ -189,7 +199,7 @@ def load(
     if target is None:
         from .models.default import default_draft, default_target
 
-        if draft is None and drafter != "ngram":
+        if draft is None and drafter not in OWN_DRAFTERS:
             # a ModelError if this install lacks it (never a silent n-gram), before any download
             draft = default_draft()
         target_path = default_target()
@@ -198,7 +208,7 @@ def load(
     if group is not None and group.size() == 1:
         group = None
     # Decided before rank > 0 drops the draft: every rank checks the sharded target alike.
-    speculates = drafter == "ngram" or draft is not None
+    speculates = drafter in OWN_DRAFTERS or draft is not None
     if group is not None and group.rank() > 0:
         draft = None  # the draft runs on rank 0 only (core/sharded.py says why)
     model, tokenizer, config = _load_model(target_path, group, kernels)
@@ -238,8 +248,8 @@ def _check_drafter(target: object, draft: object, drafter: str | None) -> None:
     """OptionError for a drafter= choice that does not fit the models given."""
     if drafter is not None and drafter not in DRAFTERS:
         raise OptionError(f"unknown drafter={drafter!r}: choose {' or '.join(map(repr, DRAFTERS))}")
-    if drafter == "ngram" and draft is not None:
-        raise OptionError("drafter='ngram' uses no draft model: leave out draft")
+    if drafter in OWN_DRAFTERS and draft is not None:
+        raise OptionError(f"drafter={drafter!r} uses no draft model: leave out draft")
     if drafter == "model" and draft is None and target is not None:
         raise OptionError("drafter='model' needs a draft model: give draft=")
 
@@ -252,6 +262,14 @@ def _attach_drafter(
     if drafter == "ngram":
         pair.drafter_kind = "ngram"
         pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
+        return
+    if drafter == "mtp":
+        from .models.mtp import drafter_factory
+
+        _, pair.drafter_factory = drafter_factory(
+            pair.target_path, pair.target, pair.vocab_size, pair.kernels
+        )
+        pair.drafter_kind = "mtp"
         return
     if draft is None:
         return
@@ -323,10 +341,13 @@ def _checked_caches(model: nn.Module, where: Path, role: str, vocab: int) -> dic
 
 
 def _feature_draft_kind(path: Path) -> str | None:
-    """The kind a distilled draft declares in draft.json, or None for an ordinary model."""
+    """The kind a distilled draft declares in draft.json, "eagle3" for a published EAGLE-3
+    draft (its config.json says so), or None for an ordinary model."""
+    from .models.eagle3_export import is_draft
+
     meta = path / "draft.json"
     if not meta.is_file():
-        return None
+        return "eagle3" if is_draft(path) else None
     try:
         kind = json.loads(meta.read_text()).get("kind")
     except (OSError, ValueError, AttributeError) as e:

@@ -505,10 +505,12 @@ def test_the_registry_maps_each_drafter_name_to_its_class():
         "ngram": drafters.NgramDrafter,
         "model+ngram": drafters.HybridDrafter,
         "eagle": drafters.EagleDrafter,
+        "eagle3": drafters.Eagle3Drafter,
+        "mtp": drafters.MtpDrafter,
     }
     assert drafters.drafter_class("ngram") is NgramDrafter
-    with pytest.raises(macspec.OptionError, match="no drafter 'mtp': one of eagle, model,"):
-        drafters.drafter_class("mtp")
+    with pytest.raises(macspec.OptionError, match="no drafter 'medusa': one of eagle, eagle3,"):
+        drafters.drafter_class("medusa")
 
     class Impostor:
         name = "ngram"

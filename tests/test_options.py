@@ -51,7 +51,7 @@ def test_every_option_is_a_flag_of_generate_and_chat(command):
     assert options.from_args(args) == {"stop": ["x", "y"], "speculative": False, "top_k": 3}
     assert GenerationOptions.from_kwargs(**options.from_args(args)).stop == ("x", "y")
     drafter = next(a for a in sub._actions if a.dest == "drafter")
-    assert drafter.choices == ["model", "ngram"]
+    assert drafter.choices == ["model", "ngram", "mtp"]
 
 
 def test_kernels_can_be_switched_off(tiny_dirs, monkeypatch):

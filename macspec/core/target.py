@@ -99,7 +99,7 @@ class Target:
             if not self.keep_hidden:
                 return self.model(tokens[None], cache=self.cache)[0, :, : self.vocab_size]
             self.hidden = hidden_states(self.model, tokens, self.cache, self.taps)
-        final = self.hidden[:, -self.model.args.hidden_size :] if self.taps else self.hidden
+        final = self.hidden[:, -hidden_size(self.model) :] if self.taps else self.hidden
         return output_head(self.model, final)[:, : self.vocab_size]
 
     def drop_launch(self) -> None:
@@ -125,7 +125,7 @@ def hidden_states(
     With `taps`, the outputs of those decoder layers are joined before them: (n, (len(taps) + 1)
     * hidden). The layers are wrapped for the call rather than re-implementing the trunk, so any
     mlx-lm architecture whose trunk runs `model.model.layers` in order is tapped exactly."""
-    width = model.args.hidden_size * (len(taps) + 1)
+    width = hidden_size(model) * (len(taps) + 1)
     if tokens.size == 0:
         return mx.zeros((0, width))
     if not taps:
@@ -157,8 +157,19 @@ class _Tap:
         return h
 
 
+def language_model(model: nn.Module) -> nn.Module:
+    """The text model of a model that wraps one (Qwen3.5 keeps its lm_head and ModelArgs on
+    `language_model`; its `model` property is that trunk already)."""
+    return getattr(model, "language_model", model)
+
+
+def hidden_size(model: nn.Module) -> int:
+    return language_model(model).args.hidden_size
+
+
 def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
     """Logits from hidden states: the untied lm_head, or the tied input embedding."""
+    model = language_model(model)
     if getattr(model, "lm_head", None) is not None:
         return model.lm_head(hidden)
     return model.model.embed_tokens.as_linear(hidden)

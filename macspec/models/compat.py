@@ -16,7 +16,7 @@ from typing import Any
 
 from ..core.caches import describe_kinds
 from ..errors import CompatError, ModelError
-from . import mtp
+from . import eagle3_export, mtp
 from .store import resolve_model
 
 # Files that define a tokenizer; identical bytes on both sides mean an identical tokenizer.
@@ -320,6 +320,8 @@ def _same_files(a: Path, b: Path) -> bool:
 def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = None) -> CompatReport:
     """Check that the draft model can draft for the target (model directories or store names)."""
     target_dir, draft_dir = resolve_model(target), resolve_model(draft)
+    if eagle3_export.is_draft(draft_dir):
+        return _check_eagle3(target_dir, draft_dir)
     report = check_tokenizers(
         _load_tokenizer(target_dir),
         _load_tokenizer(draft_dir),
@@ -338,6 +340,32 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
         _check_caches(report, side, path)
         if heads := mtp.summary(path):
             report.mtp[side] = heads
+    return report
+
+
+def _check_eagle3(target_dir: Path, draft_dir: Path) -> CompatReport:
+    """An EAGLE-3 draft has no tokenizer: it names the target's ids (d2t). Checked as
+    macspec.load checks it: its layout, then architecture, width, vocabulary and layers."""
+    from . import eagle3
+
+    tokens = len(_load_tokenizer(target_dir)._tokenizer)
+    rows = _config_rows(target_dir)
+    report = CompatReport(str(target_dir), str(draft_dir), tokens, tokens, rows, rows)
+    try:
+        ckpt = eagle3.load(draft_dir)
+        config = json.loads((target_dir / "config.json").read_text())
+        eagle3.check_target(ckpt, config, str(target_dir))
+    except (ModelError, OSError, ValueError) as e:
+        report.errors.append(str(e))
+        return report
+    c = ckpt.config
+    report.notes.append(
+        f"an EAGLE-3 draft ({c.format} format) proposing {c.draft_vocab_size} of the target's "
+        f"ids: it reads the target's tokenizer, embeddings and features, so no tokenizer is "
+        "compared; its architecture, width, vocabulary and layers fit the target"
+    )
+    if heads := mtp.summary(target_dir):
+        report.mtp["target"] = heads
     return report
 
 

@@ -179,6 +179,8 @@ def trunk_args(model: nn.Module) -> Any:
 def make_block(model: nn.Module, index: int) -> nn.Module:
     """A fresh decoder layer built as the target's layer `index` is (same class and arguments)."""
     cls = type(model.layers[index])
+    # A layer the CPU kernels switched keeps mlx-lm's class here; the block is switched alone.
+    cls = getattr(cls, "_macspec_stock", cls)
     args = trunk_args(model)
     takes_index = len(inspect.signature(cls.__init__).parameters) > 2
     return cls(args, index) if takes_index else cls(args)
@@ -342,3 +344,24 @@ def _load_head(head: MtpHead, weights: dict, i: int, where: Path) -> set[str]:
     head.load_weights([(k, weights[prefix + k]) for k in want])
     mx.eval(head.parameters())
     return {prefix + k for k in want}
+
+
+def drafter_factory(path: Path, model: nn.Module, vocab_size: int, accelerate: bool) -> Any:
+    """`macspec.load(target, drafter="mtp")`: the heads kept beside the model in `path`, and a
+    factory of fresh drafters over them (its argument: adaptive K); with `accelerate`, the heads'
+    blocks switched as the target's layers are (core/hooks.py)."""
+    from ..core import hooks
+    from ..core.drafters.mtp import STOP_BELOW, MtpDrafter
+
+    cfg, heads = read_heads(path, model)
+    if accelerate:
+        for head in heads:
+            hooks.accelerate_layers(head, [head.block])
+    recycle = cfg.recycle == "out_norm"
+    log.info("%s: drafting with %s", path.name, cfg.describe())
+
+    def make(adaptive: bool = True) -> Any:
+        stop = STOP_BELOW if adaptive else 0.0
+        return MtpDrafter(heads, model, vocab_size, recycle_normed=recycle, stop_below=stop)
+
+    return cfg, make

@@ -6,8 +6,10 @@ as llama.cpp's common/speculative.cpp maps its speculative types; `register` add
 from ...errors import OptionError
 from .base import DistFn, Drafter, Proposal
 from .eagle import EagleDrafter
+from .eagle3 import Eagle3Drafter
 from .hybrid import HybridDrafter
 from .model import ModelDrafter
+from .mtp import MtpDrafter
 from .ngram import COPY_PRIORS, MATCH_BUCKETS, NgramDrafter, match_label
 
 REGISTRY: dict[str, type] = {}
@@ -28,7 +30,7 @@ def drafter_class(name: str) -> type:
     return REGISTRY[name]
 
 
-for _cls in (ModelDrafter, NgramDrafter, HybridDrafter, EagleDrafter):
+for _cls in (ModelDrafter, NgramDrafter, HybridDrafter, EagleDrafter, Eagle3Drafter, MtpDrafter):
     register(_cls)
 
 __all__ = [
@@ -37,9 +39,11 @@ __all__ = [
     "REGISTRY",
     "DistFn",
     "Drafter",
+    "Eagle3Drafter",
     "EagleDrafter",
     "HybridDrafter",
     "ModelDrafter",
+    "MtpDrafter",
     "NgramDrafter",
     "Proposal",
     "drafter_class",

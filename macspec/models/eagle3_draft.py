@@ -1,0 +1,50 @@
+"""`--draft PATH` for a published EAGLE-3 draft (models/eagle3.py reads the three layouts): the
+checkpoint checked against the target, built as core/drafters/eagle3.py's module, and the
+factory of its drafters."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter, factory
+from ..core.loaded import LoadedPair
+from ..errors import ModelError
+from .eagle3 import aux_layers, check_target, load
+
+
+def taps_for(ids: tuple[int, ...], where: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The target layers to tap for EAGLE-3 layer ids (id i reads layer i-1's output), ascending
+    and unique, and for each id in the checkpoint's order the index of its tap."""
+    if 0 in ids:
+        raise ModelError(
+            f"{where} reads the input of target layer 0 (the embeddings), which macspec does "
+            "not tap"
+        )
+    taps = tuple(sorted({i - 1 for i in ids}))
+    return taps, tuple(taps.index(i - 1) for i in ids)
+
+
+def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
+    """The factory macspec.load uses for an EAGLE-3 draft directory: refused (ModelError naming
+    what differs) when made for another target."""
+    ckpt = load(path)
+    config_file = Path(pair.target_path) / "config.json"
+    try:
+        target_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot read {config_file}: {e}") from e
+    check_target(ckpt, target_config, str(pair.target_path))
+    layers = len(pair.target.layers)
+    taps, order = taps_for(aux_layers(ckpt.config, layers), path)
+    draft = Eagle3Draft(ckpt.config, taps, order)
+    weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
+    try:
+        draft.load_weights(weights, strict=True)
+    except ValueError as e:
+        raise ModelError(f"the EAGLE-3 draft in {path} does not fit its config: {e}") from e
+    mx.eval(draft.parameters())
+    return factory(draft, ckpt.d2t, pair.target, pair.vocab_size, pair.kernels)
