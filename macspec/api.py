@@ -307,7 +307,11 @@ class GenerationStream:
         self._steps.close()
 
 
-def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationStream:
+def _stream(
+    pair: Pair, ids: list[int], opts: GenerationOptions, rounds: Any = generate_rounds
+) -> GenerationStream:
+    """The generation's stream; `rounds`: what makes its Rounds, with generate_rounds'
+    arguments (the server's batches give core/batch_rounds.py's rows)."""
     if opts.constraint is not None:  # checked here; the core applies its masks (grammar.py) next
         raise OptionError(
             f"{opts.constraint.param}: constrained decoding is not in this build yet (the "
@@ -320,7 +324,7 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         pair.costs = calibrate(pair)
     if drafter is not None and opts.tree_nodes:
         pair.check_trees()
-    steps = generate_rounds(
+    steps = rounds(
         make_target(pair, drafter),
         drafter,
         ids,
