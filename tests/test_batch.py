@@ -86,6 +86,18 @@ def kinds(pair):
     return variants(pair)
 
 
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    """A pair whose drafter reads the target's hidden states (EAGLE, as the default pair's)."""
+    from test_eagle import make_draft
+    from tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("batch-eagle")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    draft = make_draft(root / "draft", target, vocab_ids=[i for i in range(66) if i % 5 != 4])
+    return variants(macspec.load(target, draft))
+
+
 def test_the_tiny_pair_shares_passes(pair):
     assert shared_reason(pair.target, pair.vocab_size, pair.cache_kinds, False) == ""
     assert shared_reason(pair.target, pair.vocab_size, pair.cache_kinds, True) == (
@@ -109,6 +121,20 @@ def test_each_answer_is_what_it_gets_alone(kinds, options):
     assert got == want
     assert max(sizes) == 4 and driver.passes > 0
     assert driver.shared_rows > driver.passes  # rows really shared passes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_whose_drafter_reads_hidden_states_get_what_they_get_alone(eagle, temperature):
+    opts = {"max_tokens": 24, "adaptive": False, "temperature": temperature, "seed": 3}
+    requests = [
+        (eagle["model"], PROMPTS[0], opts),
+        (eagle["plain"], PROMPTS[1], opts),
+        (eagle["model"], PROMPTS[2], {**opts, "num_draft": 3}),
+    ]
+    driver = BatchDriver(eagle["model"].target, eagle["model"].vocab_size)
+    got, _ = run_batch(driver, requests, join_after={2: 2})
+    assert got == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert driver.shared_rows > driver.passes
 
 
 def test_a_long_prompt_is_read_in_chunks_between_the_others_rounds(kinds):
@@ -172,10 +198,11 @@ def test_one_shared_pass_gives_each_rows_own_logits(pair):
         return c
 
     feeds = [([3, 4, 5], [6]), ([7], [8, 9, 10, 11]), ([12, 13], [14, 15])]
-    together = shared_pass(
-        pair.target, pair.vocab_size, [(cache(p), mx.array(f)) for p, f in feeds]
-    )
-    for (p, f), got in zip(feeds, together, strict=True):
+    rows = [(cache(p), mx.array(f)) for p, f in feeds]
+    together = shared_pass(pair.target, pair.vocab_size, rows, hidden=True)
+    for (p, f), (got, states) in zip(feeds, together, strict=True):
         want = pair.target(mx.array(p + f)[None])[0, len(p) :, : pair.vocab_size]
         assert got.shape == want.shape
         assert mx.allclose(got, want, atol=1e-4).item()
+        trunk = pair.target.model(mx.array(p + f)[None])[0, len(p) :]
+        assert mx.allclose(states, trunk, atol=1e-4).item()

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError
 from . import hooks
-from .target import Target
+from .target import Target, output_head
 
 
 class _Rows:
@@ -59,31 +59,36 @@ class _Rows:
         return ((cols >= first) & (cols <= last))[:, None]
 
 
-def shared_pass(model: nn.Module, vocab_size: int, rows: list[tuple[list, mx.array]]) -> list:
-    """Logits (w_r, vocab_size) for each row's ids `tokens_r` (w_r,) fed after its cache, all in
-    one forward pass. Every row's cache then holds W = max w_r more positions (the padding
-    included): the row rewinds to what it keeps. One row is fed alone, as a Target would."""
-    if len(rows) == 1:
-        cache, tokens = rows[0]
-        with hooks.serial():
-            return [model(tokens[None], cache=cache)[0, :, :vocab_size]]
+def shared_pass(
+    model: nn.Module, vocab_size: int, rows: list[tuple[list, mx.array]], hidden: bool = False
+) -> list[tuple[mx.array, mx.array | None]]:
+    """(logits (w_r, vocab_size), final hidden states (w_r, H) or None) for each row's ids
+    `tokens_r` (w_r,) fed after its cache, all in one forward pass; `hidden`: through the trunk
+    and the output head (as a Target that keeps hidden states), else the model's own call.
+    Every row's cache then holds W = max w_r more positions (the padding included): the row
+    rewinds to what it keeps. One row is fed alone, as a Target would feed it."""
     width = max(tokens.size for _, tokens in rows)
     block = mx.stack([mx.pad(tokens, (0, width - tokens.size)) for _, tokens in rows])
-    views = [_Rows([cache[i] for cache, _ in rows]) for i in range(len(rows[0][0]))]
+    if len(rows) == 1:
+        cache = rows[0][0]
+    else:
+        cache = [_Rows([c[i] for c, _ in rows]) for i in range(len(rows[0][0]))]
     with hooks.serial():  # built whole, as verify.speculative_round builds its pass
-        logits = model(block, cache=views)
-    return [logits[r, : tokens.size, :vocab_size] for r, (_, tokens) in enumerate(rows)]
+        if hidden:
+            states = model.model(block, cache=cache)
+            logits = output_head(model, states)
+        else:
+            states, logits = None, model(block, cache=cache)
+    return [
+        (logits[r, : t.size, :vocab_size], None if states is None else states[r, : t.size])
+        for r, (_, t) in enumerate(rows)
+    ]
 
 
 def can_share(target: Target) -> bool:
     """Whether this generation's rounds can go into a shared pass: a local target whose every
-    layer is full attention, with no hidden states to keep (EAGLE reads them)."""
-    return (
-        not target.keep_hidden
-        and not target.taps
-        and bool(target.cache)
-        and all(type(c) is KVCache for c in target.cache)
-    )
+    layer is full attention, keeping no hidden states or only the final ones (no taps)."""
+    return not target.taps and bool(target.cache) and all(type(c) is KVCache for c in target.cache)
 
 
 def shared_reason(model: nn.Module, vocab_size: int, kinds: dict[str, int], sharded: bool) -> str:
@@ -120,11 +125,14 @@ def _check(model: nn.Module, vocab_size: int) -> float:
             out.append(cache)
         return out
 
-    together = shared_pass(
-        model, vocab_size, [(c, mx.array(f)) for c, f in zip(caches(), feeds, strict=True)]
-    )
+    together = [
+        logits
+        for logits, _ in shared_pass(
+            model, vocab_size, [(c, mx.array(f)) for c, f in zip(caches(), feeds, strict=True)]
+        )
+    ]
     alone = [
-        shared_pass(model, vocab_size, [(c, mx.array(f))])[0]
+        shared_pass(model, vocab_size, [(c, mx.array(f))])[0][0]
         for c, f in zip(caches(), feeds, strict=True)
     ]
     worst = 0.0

@@ -43,10 +43,12 @@ PREFILLING = object()  # a row yielded after a chunk of its prompt: nothing to v
 
 @dataclass
 class Feed:
-    """A row's ids for the shared pass: `tokens` (w,) fed after the ids `cache` holds."""
+    """A row's ids for the shared pass: `tokens` (w,) fed after the ids `cache` holds;
+    `hidden`: the row's target keeps the pass's hidden states (a drafter reads them)."""
 
     cache: list
     tokens: mx.array
+    hidden: bool = False
 
 
 def row_rounds(
@@ -162,7 +164,7 @@ def _shared_round(
             mx.async_eval(proposal.tokens)
             tokens, proposed = proposal.tokens, proposal.tokens.size
         fed = mx.array([last]) if tokens is None else mx.concatenate([mx.array([last]), tokens])
-        logits = yield Feed(target.cache, fed)
+        logits, target.hidden = yield Feed(target.cache, fed, target.keep_hidden)
         t1 = perf_counter()
         if tokens is None:  # a plain step: the target samples alone, as plain_step
             token = sample(dist(logits, None, 0), accept_key).item()
@@ -176,7 +178,8 @@ def _shared_round(
     finally:
         target.trim_to(start + 1 + n if done else start)  # the padding and rejected drafts go
         if drafter is not None and done:
-            drafter.commit(proposed, n, drafts[:n] + [token], None)
+            kept = target.hidden[: n + 1] if target.hidden is not None else None
+            drafter.commit(proposed, n, drafts[:n] + [token], kept)
         elif drafter is not None and k:
             drafter.abort(proposed)
     if k:
@@ -236,18 +239,18 @@ class BatchDriver:
 
     def _verify(self, rows: list[Row], feeds: list[tuple[int, Feed]], out: dict) -> None:
         try:
-            logits = shared_pass(
-                self.model, self.vocab_size, [(f.cache, f.tokens) for _, f in feeds]
-            )
+            hidden = any(f.hidden for _, f in feeds)
+            passes = [(f.cache, f.tokens) for _, f in feeds]
+            logits = shared_pass(self.model, self.vocab_size, passes, hidden)
         except Exception as e:  # noqa: BLE001 (every row of the pass rewinds and ends)
             for i, _ in feeds:
                 out[i] = _thrown(rows[i], e)
             return
         self.passes += 1
         self.shared_rows += len(feeds)
-        for (i, _), row_logits in zip(feeds, logits, strict=True):
+        for (i, f), (row_logits, states) in zip(feeds, logits, strict=True):
             try:
-                out[i] = rows[i].rounds.send(row_logits)
+                out[i] = rows[i].rounds.send((row_logits, states if f.hidden else None))
             except Exception as e:  # noqa: BLE001
                 out[i] = e
 
