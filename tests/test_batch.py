@@ -206,3 +206,37 @@ def test_one_shared_pass_gives_each_rows_own_logits(pair):
         assert mx.allclose(got, want, atol=1e-4).item()
         trunk = pair.target.model(mx.array(p + f)[None])[0, len(p) :]
         assert mx.allclose(states, trunk, atol=1e-4).item()
+
+
+def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
+    """Alone, a row launches a plain step's next pass ahead (Target.launch), as alone it would,
+    and drops it when others join."""
+    opts = {"max_tokens": 12, "temperature": 0.0, "speculative": False}
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    made = {}
+
+    def rounds(*args, **kwargs):
+        made["row"] = Row(row_rounds(*args, company=lambda: driver.company, **kwargs))
+        return made["row"]
+
+    pair = kinds["plain"]
+    stream = api._stream(pair, api.prompt_ids(pair, PROMPTS[0]), GenerationOptions(**opts), rounds)
+    row, target = made["row"], None
+    got = []
+    for _ in range(3):
+        driver.round([row])
+        got += next(stream).emitted
+        target = target or row.rounds.gi_frame.f_locals["target"]
+        assert target.ahead is not None and driver.passes == 0
+    other, other_row = open_row(kinds["model"], PROMPTS[1], **opts)
+    while True:
+        results = driver.round([row, other_row])
+        assert target.ahead is None
+        ev = next(stream)
+        got += ev.emitted
+        if results[1][1] is not None and next(other).finish_reason:
+            pass
+        if ev.finish_reason:
+            break
+    assert got == alone(pair, PROMPTS[0], **opts)
+    assert driver.passes > 0

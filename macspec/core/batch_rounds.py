@@ -14,7 +14,7 @@ verifies every row's drafts, then each accepts with its own key and rewinds its 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -66,15 +66,19 @@ def row_rounds(
     policy: Policy | None = None,
     prompt_cache: PromptCache | None = None,
     chunk: int = PREFILL_CHUNK,
-) -> Generator[Any, mx.array | None, None]:
+    company: Callable[[], int] = lambda: 2,
+) -> Generator[Any, Any, None]:
     """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
-    prefilled per turn); yields PREFILLING, Feed (send back its logits) or Round."""
+    prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
+    generate_rounds' own); yields PREFILLING, Feed (send back its logits and hidden states)
+    or Round."""
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     max_step = _max_step(policy, target, prompt_cache)
     kept, prefill_time = yield from _start(target, drafter, prompt, max_step, prompt_cache, chunk)
     opening = (prefill_time, kept.length if kept else 0)
     generated, steady, clearing = 0, True, CacheClearing()
+    ready = perf_counter()  # when the latest ids were read
     try:
         while True:
             room = min(max_tokens - generated, context_length - len(history))
@@ -82,11 +86,15 @@ def row_rounds(
             key, subkey = mx.random.split(key)
             dist = make_dist(opts, history)
             steady = False
-            t0 = perf_counter()
-            if isinstance(k, TreeShape) or not can_share(target):
-                args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, False)
+            if isinstance(k, TreeShape) or not can_share(target) or company() == 1:
+                # Alone, as generate_rounds: a plain step may launch the next pass ahead.
+                t0 = ready if target.ahead is not None else perf_counter()
+                launch = target.takes_lazy_ids and room > 1 and company() == 1
+                args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
                 v = _verify(*args)
             else:
+                target.drop_launch()  # a pass launched while it was alone: not shared
+                t0 = perf_counter()
                 v = yield from _shared_round(target, drafter, policy, history[-1], k, dist, subkey)
             ready = perf_counter()
             emitted = (v.drafts[: v.n] + [v.token])[:room]
@@ -214,10 +222,12 @@ class BatchDriver:
     def __init__(self, model: nn.Module, vocab_size: int) -> None:
         self.model, self.vocab_size = model, vocab_size
         self.passes = self.shared_rows = 0  # shared passes run, and the rows they verified
+        self.company = 0  # rows in the round being run (row_rounds' `company`)
 
     def round(self, rows: list[Row]) -> list[tuple[Row, Round | Exception | None]]:
         """Each row's next round: its Round appended to `row.ready` (also returned), None for a
         row still reading its prompt, or the exception that ended it."""
+        self.company = len(rows)
         out: dict[int, Round | Exception | None] = {}
         feeds: list[tuple[int, Feed]] = []
         for i, row in enumerate(rows):

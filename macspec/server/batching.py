@@ -94,7 +94,10 @@ class BatchScheduler(Scheduler):
             check_length(self.pair, ids)
 
             def rounds(*args: Any, **kwargs: Any) -> Row:
-                row = self._rows[id(job)] = Row(row_rounds(*args, **kwargs))
+                # Alone in a round, a row's round is generate_rounds' own (a pass launched ahead).
+                company = lambda: self._driver.company  # noqa: E731
+                row = Row(row_rounds(*args, company=company, **kwargs))
+                self._rows[id(job)] = row
                 return row
 
             job.stream = _stream(self.pair, ids, opts, rounds)
