@@ -193,7 +193,9 @@ def _shared_round(
     if k:
         policy.observe(len(drafts), n)
     rows = len(drafts) + 1 if drafts else 1
-    return _Verdict(drafts, n, token, t1 - t0, perf_counter() - t1, len(drafts), rows)
+    drafting = t1 - t0 if k else 0.0  # (a plain step drafts nothing; its wait is the pass's)
+    verify = perf_counter() - (t1 if k else t0)
+    return _Verdict(drafts, n, token, drafting, verify, len(drafts), rows)
 
 
 class Row:
