@@ -172,8 +172,8 @@ def _shared_round(
             mx.async_eval(proposal.tokens)
             tokens, proposed = proposal.tokens, proposal.tokens.size
         fed = mx.array([last]) if tokens is None else mx.concatenate([mx.array([last]), tokens])
+        t1 = perf_counter()  # drafted (lazily: the ids may still compute within the pass)
         logits, target.hidden = yield Feed(target.cache, fed, target.keep_hidden)
-        t1 = perf_counter()
         if tokens is None:  # a plain step: the target samples alone, as plain_step
             token = sample(dist(logits, None, 0), accept_key).item()
         else:
@@ -193,9 +193,7 @@ def _shared_round(
     if k:
         policy.observe(len(drafts), n)
     rows = len(drafts) + 1 if drafts else 1
-    drafting = t1 - t0 if k else 0.0  # (a plain step drafts nothing; its wait is the pass's)
-    verify = perf_counter() - (t1 if k else t0)
-    return _Verdict(drafts, n, token, drafting, verify, len(drafts), rows)
+    return _Verdict(drafts, n, token, t1 - t0, perf_counter() - t1, len(drafts), rows)
 
 
 class Row:
