@@ -337,7 +337,11 @@ class GenerationStream:
         self._steps.close()
 
 
-def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationStream:
+def _stream(
+    pair: Pair, ids: list[int], opts: GenerationOptions, rounds: Any = generate_rounds
+) -> GenerationStream:
+    """The generation's stream; `rounds`: what makes its Rounds, with generate_rounds'
+    arguments (the server's batches give core/batch_rounds.py's rows)."""
     constraint = None
     if opts.constraint is not None:
         eos = sorted(pair.eos_token_ids)
@@ -349,7 +353,7 @@ def _stream(pair: Pair, ids: list[int], opts: GenerationOptions) -> GenerationSt
         pair.costs = calibrate(pair)
     if drafter is not None and _trees(opts):
         pair.check_trees()
-    steps = generate_rounds(
+    steps = rounds(
         make_target(pair, drafter),
         drafter,
         ids,

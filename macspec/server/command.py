@@ -37,7 +37,13 @@ def register(subparsers: Any) -> None:
         "--parallel",
         type=int,
         default=4,
-        help="answers made at once, their rounds taking turns; more requests wait (default 4)",
+        help="answers made at once, verified in one target pass where the model allows "
+        "(else their rounds take turns); more requests wait (default 4)",
+    )
+    p.add_argument(
+        "--no-batch",
+        action="store_true",
+        help="the answers' rounds take turns instead of sharing the target's passes",
     )
     p.add_argument(
         "--prompt-cache-mb",
@@ -52,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..pair import prompt_cache
     from .app import create_app
-    from .scheduler import Scheduler
+    from .batching import BatchScheduler
 
     defaults = generation_options(args)
     GenerationOptions.from_kwargs(**defaults)  # a bad flag stops here, not at every request
@@ -71,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             "reach this machine can use the model (give --api-key KEY)",
             file=sys.stderr,
         )
-    scheduler = Scheduler(pair, args.parallel)
+    scheduler = BatchScheduler(pair, args.parallel, batch=not args.no_batch)
     app = create_app(pair, scheduler, api_key=args.api_key, defaults=defaults)
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30
@@ -116,16 +122,18 @@ def serving(
     port: int = 0,
     parallel: int = 4,
     scheduler: Any = None,
+    batch: bool = True,
     **app: Any,
 ) -> Iterator[str]:
     """The server in a thread of this process (tests, benchmarks); yields its base URL. `app`:
-    create_app's options (api_key, defaults, max_body); `scheduler`: one made already."""
+    create_app's options (api_key, defaults, max_body); `scheduler`: one made already;
+    `batch`: requests share target passes where the pair allows (else they take turns)."""
     import uvicorn
 
     from .app import create_app
-    from .scheduler import Scheduler
+    from .batching import BatchScheduler
 
-    scheduler = scheduler or Scheduler(pair, parallel)
+    scheduler = scheduler or BatchScheduler(pair, parallel, batch)
     sock = _bind(host, port)
     config = uvicorn.Config(create_app(pair, scheduler, **app), log_level="warning")
     server = uvicorn.Server(config)

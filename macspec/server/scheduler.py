@@ -114,7 +114,7 @@ class Scheduler:
                 while self._pending and len(self._active) < self.parallel:
                     self._active.append(self._pending.popleft())
                 active = list(self._active)
-            finished = [job for job in active if not self._step(job)]
+            finished = self._round(active)
             with self._cond:
                 self._active = [j for j in self._active if j not in finished]
         for job in jobs:  # shutting down: end every answer where it is
@@ -123,11 +123,13 @@ class Scheduler:
             job.stopped = True
             job.put(END)
 
+    def _round(self, active: list[Job]) -> list[Job]:
+        """One round of every active job, each in turn; returns those that are over."""
+        return [job for job in active if not self._step(job)]
+
     def _step(self, job: Job) -> bool:
         """One round of `job`; False once it is over (finished, failed or cancelled)."""
-        if job.cancelled:
-            if job.stream is not None:
-                job.stream.close()
+        if self._cancelled(job):
             return False
         try:
             if job.stream is None:
@@ -137,13 +139,26 @@ class Scheduler:
             job.put(END)
             return False
         except Exception as e:  # reported to its client; the server goes on
-            if not isinstance(e, MacspecError):
-                traceback.print_exc()
-            if job.stream is not None:
-                job.stream.close()
-            self.failed += 1
-            job.put(e)
+            self._fail(job, e)
             return False
+        return self._deliver(job, event)
+
+    def _cancelled(self, job: Job) -> bool:
+        """Whether the client went away (its generation is then closed)."""
+        if job.cancelled and job.stream is not None:
+            job.stream.close()
+        return job.cancelled
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        if not isinstance(e, MacspecError):
+            traceback.print_exception(e)
+        if job.stream is not None:
+            job.stream.close()
+        self.failed += 1
+        job.put(e)
+
+    def _deliver(self, job: Job, event: Any) -> bool:
+        """Send a round's event to its client; False when it was the last."""
         job.put(event)
         if event.finish_reason is None:
             return True

@@ -1,0 +1,274 @@
+"""Several generations' rounds with one target pass between them (batch.py's shared pass).
+
+`row_rounds` is `generate_rounds` (loop.py) for one generation of a batch: the same rounds, the
+same random keys split the same way, the same rewinds, so each answer is what it is alone. It
+is a generator the driver runs: it yields `PREFILLING` after each chunk of its prompt (a long
+prompt never stalls the other rows by more than a chunk), a `Feed` when its round needs the
+target's logits (sent back by the driver), and a `Round` when a round is done. A round it
+cannot share (a token tree, a target whose layers cannot share) it runs alone, as loop.py does.
+
+`BatchDriver.round` runs one round of every row: each drafts alone, then one target pass
+verifies every row's drafts, then each accepts with its own key and rewinds its own cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import CacheError
+from . import caches
+from .batch import can_share, shared_pass
+from .caches import Hit, PromptCache
+from .drafters.base import DistFn, Drafter
+from .loop import Round, Timing, _close, _max_step, _next_k, _round, _stop, _Verdict, _verify
+from .memory import CacheClearing
+from .policy import FixedK, Policy
+from .sampling import SamplingOptions, sample
+from .target import Target
+from .tree import TreeShape
+from .verify import accept, make_dist, one_hot
+
+# Prompt ids prefilled between two rounds of the other rows (phase-b.md section 6).
+PREFILL_CHUNK = 256
+
+PREFILLING = object()  # a row yielded after a chunk of its prompt: nothing to verify yet
+
+
+@dataclass
+class Feed:
+    """A row's ids for the shared pass: `tokens` (w,) fed after the ids `cache` holds;
+    `hidden`: the row's target keeps the pass's hidden states (a drafter reads them)."""
+
+    cache: list
+    tokens: mx.array
+    hidden: bool = False
+
+
+def row_rounds(
+    target: Target,
+    drafter: Drafter | None,
+    prompt: list[int],
+    opts: SamplingOptions,
+    *,
+    max_tokens: int,
+    num_draft: int,
+    key: mx.array,
+    eos_ids: set[int],
+    context_length: int,
+    timing: Timing,
+    policy: Policy | None = None,
+    prompt_cache: PromptCache | None = None,
+    chunk: int = PREFILL_CHUNK,
+    company: Callable[[], int] = lambda: 2,
+) -> Generator[Any, Any, None]:
+    """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
+    prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
+    generate_rounds' own); yields PREFILLING, Feed (send back its logits and hidden states)
+    or Round."""
+    policy = policy or FixedK(num_draft)
+    history = list(prompt)
+    max_step = _max_step(policy, target, prompt_cache)
+    kept, prefill_time = yield from _start(target, drafter, prompt, max_step, prompt_cache, chunk)
+    opening = (prefill_time, kept.length if kept else 0)
+    generated, steady, clearing = 0, True, CacheClearing()
+    ready = perf_counter()  # when the latest ids were read
+    try:
+        while True:
+            room = min(max_tokens - generated, context_length - len(history))
+            k = _next_k(policy, drafter, target, generated, room)
+            key, subkey = mx.random.split(key)
+            dist = make_dist(opts, history)
+            steady = False
+            if isinstance(k, TreeShape) or not can_share(target) or company() == 1:
+                # Alone, as generate_rounds: a plain step may launch the next pass ahead.
+                t0 = ready if target.ahead is not None else perf_counter()
+                launch = target.takes_lazy_ids and room > 1 and company() == 1
+                args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
+                v = _verify(*args)
+            else:
+                target.drop_launch()  # a pass launched while it was alone: not shared
+                t0 = perf_counter()
+                v = yield from _shared_round(target, drafter, policy, history[-1], k, dist, subkey)
+            ready = perf_counter()
+            emitted = (v.drafts[: v.n] + [v.token])[:room]
+            history += emitted
+            steady = True
+            emitted, finish = _stop(
+                emitted, eos_ids, generated, max_tokens, history, context_length
+            )
+            r = _round(v, emitted, finish, ready - t0, timing, opening if not generated else None)
+            generated += len(emitted)
+            clearing.after(generated)
+            yield r
+            if finish:
+                return
+    finally:
+        if steady:
+            _close(target, drafter, history, prompt_cache)
+
+
+def _start(
+    target: Target,
+    drafter: Drafter | None,
+    prompt: list[int],
+    max_step: int,
+    prompt_cache: PromptCache | None,
+    chunk: int,
+) -> Generator[Any, Any, tuple[Hit | None, float]]:
+    """loop._start with the target's prefill in chunks of `chunk` ids, yielding PREFILLING
+    between them. Returns the kept states used and the seconds this row spent."""
+    spent, t0 = 0.0, perf_counter()
+    kept = prompt_cache.restore(prompt, drafter, max_step) if prompt_cache is not None else None
+    cache = kept.target if kept is not None else None
+    if target.keep_hidden:  # its hidden states must cover the whole prompt: one go
+        target.start(prompt, max_step, cache)
+    else:
+        end = len(prompt) - 1  # the target holds all but the last id
+        done = caches.length(cache) if cache is not None else 0
+        for stop in [*range(done + chunk, end, chunk), end]:
+            target.start(prompt[: stop + 1], max_step, cache)  # reads prompt[done:stop]
+            cache = target.cache
+            if stop < end:
+                mx.eval(caches.state_arrays(cache))
+                spent += perf_counter() - t0
+                yield PREFILLING
+                t0 = perf_counter()
+    if drafter is not None:
+        if kept is not None:
+            drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
+        else:
+            drafter.start(prompt, target.hidden, max_step)
+    if prompt_cache is not None and prompt_cache.wants_checkpoint(target.cache):
+        prompt_cache.save(prompt, target.cache, drafter)
+    return kept, spent + perf_counter() - t0
+
+
+def _shared_round(
+    target: Target,
+    drafter: Drafter | None,
+    policy: Policy,
+    last: int,
+    k: int,
+    dist: DistFn,
+    key: mx.array,
+) -> Generator[Feed, mx.array, _Verdict]:
+    """verify.speculative_round (k > 0) or verify.plain_step (k == 0) with the target's pass
+    shared: the same keys, acceptance and rewinds (the target keeps `last` and the n accepted
+    drafts; a round that fails keeps nothing)."""
+    start, done, n, drafts, proposed = target.offset, False, 0, [], 0
+    draft_key, accept_key = mx.random.split(key) if k else (None, key)
+    try:
+        t0 = perf_counter()
+        tokens = None
+        if k:
+            proposal = drafter.propose(k, dist, draft_key)
+            mx.async_eval(proposal.tokens)
+            tokens, proposed = proposal.tokens, proposal.tokens.size
+        fed = mx.array([last]) if tokens is None else mx.concatenate([mx.array([last]), tokens])
+        t1 = perf_counter()  # drafted (lazily: the ids may still compute within the pass)
+        logits, target.hidden = yield Feed(target.cache, fed, target.keep_hidden)
+        if tokens is None:  # a plain step: the target samples alone, as plain_step
+            token = sample(dist(logits, None, 0), accept_key).item()
+        else:
+            p = dist(logits, tokens, 0)
+            q = proposal.probs if proposal.probs is not None else one_hot(tokens, p.shape[1])
+            n_arr, token_arr = accept(p, q, tokens, accept_key)
+            mx.eval(n_arr, token_arr)
+            drafts, n, token = tokens.tolist(), n_arr.item(), token_arr.item()
+        done = True
+    finally:
+        target.trim_to(start + 1 + n if done else start)  # the padding and rejected drafts go
+        if drafter is not None and done:
+            kept = target.hidden[: n + 1] if target.hidden is not None else None
+            drafter.commit(proposed, n, drafts[:n] + [token], kept)
+        elif drafter is not None and k:
+            drafter.abort(proposed)
+    if k:
+        policy.observe(len(drafts), n)
+    rows = len(drafts) + 1 if drafts else 1
+    return _Verdict(drafts, n, token, t1 - t0, perf_counter() - t1, len(drafts), rows)
+
+
+class Row:
+    """One generation of a batch: its rounds generator, and the Rounds made for it, read (as an
+    iterator of Rounds, like generate_rounds) by its GenerationStream."""
+
+    def __init__(self, rounds: Generator) -> None:
+        self.rounds = rounds
+        self.ready: deque[Round] = deque()
+
+    def __iter__(self) -> Iterator[Round]:
+        return self
+
+    def __next__(self) -> Round:
+        if not self.ready:
+            raise CacheError("a batched generation was read before its round was run")
+        return self.ready.popleft()
+
+    def close(self) -> None:
+        self.rounds.close()  # its caches rewound and its states kept, as generate_rounds'
+
+
+class BatchDriver:
+    """One round of several rows at a time, their target passes shared."""
+
+    def __init__(self, model: nn.Module, vocab_size: int) -> None:
+        self.model, self.vocab_size = model, vocab_size
+        self.passes = self.shared_rows = 0  # shared passes run, and the rows they verified
+        self.company = 0  # rows in the round being run (row_rounds' `company`)
+
+    def round(self, rows: list[Row]) -> list[tuple[Row, Round | Exception | None]]:
+        """Each row's next round: its Round appended to `row.ready` (also returned), None for a
+        row still reading its prompt, or the exception that ended it."""
+        self.company = len(rows)
+        out: dict[int, Round | Exception | None] = {}
+        feeds: list[tuple[int, Feed]] = []
+        for i, row in enumerate(rows):
+            try:
+                got = next(row.rounds)
+            except Exception as e:  # noqa: BLE001 (this row's end; the others go on)
+                out[i] = e
+                continue
+            if isinstance(got, Feed):
+                feeds.append((i, got))
+            else:
+                out[i] = None if got is PREFILLING else got
+        if feeds:
+            self._verify(rows, feeds, out)
+        for i, got in out.items():
+            if isinstance(got, Round):
+                rows[i].ready.append(got)
+        return [(row, out[i]) for i, row in enumerate(rows)]
+
+    def _verify(self, rows: list[Row], feeds: list[tuple[int, Feed]], out: dict) -> None:
+        try:
+            hidden = any(f.hidden for _, f in feeds)
+            passes = [(f.cache, f.tokens) for _, f in feeds]
+            logits = shared_pass(self.model, self.vocab_size, passes, hidden)
+        except Exception as e:  # noqa: BLE001 (every row of the pass rewinds and ends)
+            for i, _ in feeds:
+                out[i] = _thrown(rows[i], e)
+            return
+        self.passes += 1
+        self.shared_rows += len(feeds)
+        for (i, f), (row_logits, states) in zip(feeds, logits, strict=True):
+            try:
+                out[i] = rows[i].rounds.send((row_logits, states if f.hidden else None))
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+
+
+def _thrown(row: Row, error: Exception) -> Exception:
+    """Raise `error` inside the row (its round rewinds), and return what it ended with."""
+    try:
+        row.rounds.throw(error)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return CacheError("a row went on after its shared pass failed")

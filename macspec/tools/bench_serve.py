@@ -1,0 +1,131 @@
+"""Aggregate tokens/s of `macspec serve` with 1, 2, 4 and 8 clients at once, the clients'
+requests verified in one target pass (server/batching.py) against taking turns, same run.
+
+    python -m macspec.tools.bench_serve [--target DIR --draft DIR] [--clients 1 2 4 8]
+
+Every client asks the same number of requests (built-in prompts, greedy, so both ways produce
+the same tokens: checked). The server runs in this process over loopback HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .prompts import builtin_prompts
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=900) as response:
+        return json.loads(response.read())
+
+
+def measure(pair: Any, clients: int, batch: bool, per_client: int, max_tokens: int) -> dict:
+    """`clients` clients asking `per_client` requests each, one after the other, all at once:
+    aggregate completion tokens/s, the answers, and the server's /health at the end."""
+    from ..server.command import serving
+
+    asks = [p.text for p in builtin_prompts()]
+    plan = [
+        [asks[(c * per_client + i) % len(asks)] for i in range(per_client)] for c in range(clients)
+    ]
+    with serving(pair, parallel=clients, batch=batch) as base:
+        url = base + "/v1/chat/completions"
+
+        def client(texts: list[str]) -> list[dict[str, Any]]:
+            out = []
+            for text in texts:
+                body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+                answer = _post(url, {**body, "temperature": 0.0})
+                out.append(answer)
+            return out
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            answers = [a for per in pool.map(client, plan) for a in per]
+        wall = time.perf_counter() - t0
+        with urllib.request.urlopen(base + "/health", timeout=60) as r:
+            health = json.loads(r.read())
+    tokens = sum(a["usage"]["completion_tokens"] for a in answers)
+    return {
+        "clients": clients,
+        "batch": batch,
+        "requests": len(answers),
+        "completion_tokens": tokens,
+        "seconds": round(wall, 2),
+        "tokens_per_second": round(tokens / wall, 2),
+        "rows_per_shared_pass": health.get("rows_per_shared_pass"),
+        "texts": [a["choices"][0]["message"]["content"] for a in answers],
+    }
+
+
+def run(pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats: int) -> dict:
+    """Each client count, taking turns then batched, `repeats` times (interleaved)."""
+    rows = []
+    for n in clients:
+        for _ in range(repeats):
+            turns = measure(pair, n, False, per_client, max_tokens)
+            batched = measure(pair, n, True, per_client, max_tokens)
+            rows.append(
+                {
+                    "clients": n,
+                    "turns_tps": turns["tokens_per_second"],
+                    "batched_tps": batched["tokens_per_second"],
+                    "ratio": round(batched["tokens_per_second"] / turns["tokens_per_second"], 3),
+                    "rows_per_shared_pass": batched["rows_per_shared_pass"],
+                    "tokens": batched["completion_tokens"],
+                    "same_answers": turns["texts"] == batched["texts"],
+                }
+            )
+            print(_line(rows[-1]), flush=True)
+    return {
+        "pair": pair.describe(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f} at the end",
+        "per_client": per_client,
+        "max_tokens": max_tokens,
+        "rows": rows,
+    }
+
+
+def _line(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['clients']} | {r['turns_tps']} | {r['batched_tps']} | {r['ratio']}x | "
+        f"{r['rows_per_shared_pass']} | {r['tokens']} | {r['same_answers']} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    import macspec
+
+    p = argparse.ArgumentParser(prog="python -m macspec.tools.bench_serve", description=__doc__)
+    p.add_argument("--target", help="target model (default: the embedded default pair)")
+    p.add_argument("--draft", help="draft model")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--per-client", type=int, default=2, help="requests each client asks")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--output", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    pair = macspec.load(args.target, args.draft)
+    print(f"{pair.describe()}\n")
+    print("| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | tokens | same |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    result = run(pair, args.clients, args.per_client, args.max_tokens, args.repeats)
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""Several generations verified in one target pass (core/batch.py, core/batch_rounds.py): each
+answer is exactly what the same request gets alone, greedy and by seed, for rows with a draft
+model, an n-gram copy and none, of different prompt lengths, joining and leaving; a long prompt
+is read in chunks between the others' rounds; a pass that fails rewinds every row."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+
+import macspec
+from macspec import api
+from macspec.core import NgramDrafter
+from macspec.core.batch import _Rows, shared_pass, shared_reason
+from macspec.core.batch_rounds import PREFILL_CHUNK, BatchDriver, Row, row_rounds
+from macspec.errors import CacheError
+from macspec.options import GenerationOptions
+
+PROMPTS = [
+    "the cat sat on the mat",
+    "a b c a b c a b c a b",
+    "once upon a time there was a little dog who ran and ran",
+    "hello",
+]
+
+
+def variants(pair):
+    """The pair as loaded (draft model + n-gram), with an n-gram copy only, and with none:
+    every variant shares the target model, as one server's requests do."""
+    ngram = copy.copy(pair)
+    ngram.drafter_factory = lambda adaptive: NgramDrafter()
+    plain = copy.copy(pair)
+    plain.drafter_factory = None
+    return {"model": pair, "ngram": ngram, "plain": plain}
+
+
+def open_row(pair, prompt, **options):
+    """A generation whose rounds a BatchDriver runs: (its stream, its row)."""
+    made = {}
+
+    def rounds(*args, **kwargs):
+        made["row"] = Row(row_rounds(*args, **kwargs))
+        return made["row"]
+
+    ids = api.prompt_ids(pair, prompt)
+    stream = api._stream(pair, ids, GenerationOptions.from_kwargs(**options), rounds)
+    return stream, made["row"]
+
+
+def run_batch(driver, requests, join_after=None):
+    """Run `requests` [(pair, prompt, options)] as one batch; `join_after` {i: rounds}: request
+    i joins once the batch has run that many rounds. Returns each answer's ids, and per round
+    how many rows the driver ran."""
+    join_after = join_after or {}
+    waiting = dict(enumerate(requests))
+    active, out, sizes, rounds = {}, {}, [], 0
+    while waiting or active:
+        for i in [i for i in waiting if join_after.get(i, 0) <= rounds]:
+            p, prompt, opts = waiting.pop(i)
+            active[i] = open_row(p, prompt, **opts)
+            out[i] = []
+        keys = list(active)
+        sizes.append(len(keys))
+        results = driver.round([active[i][1] for i in keys])
+        for i, (_, got) in zip(keys, results, strict=True):
+            if isinstance(got, Exception):
+                raise got
+            if got is None:
+                continue
+            ev = next(active[i][0])
+            out[i] += ev.emitted
+            if ev.finish_reason:
+                del active[i]
+        rounds += 1
+    return [out[i] for i in range(len(requests))], sizes
+
+
+def alone(pair, prompt, **options):
+    return macspec.generate(pair, prompt, **options).tokens
+
+
+@pytest.fixture(scope="module")
+def kinds(pair):
+    return variants(pair)
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory):
+    """A pair whose drafter reads the target's hidden states (EAGLE, as the default pair's)."""
+    from test_eagle import make_draft
+    from tinymodels import make_tiny_model
+
+    root = tmp_path_factory.mktemp("batch-eagle")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)
+    draft = make_draft(root / "draft", target, vocab_ids=[i for i in range(66) if i % 5 != 4])
+    return variants(macspec.load(target, draft))
+
+
+def test_the_tiny_pair_shares_passes(pair):
+    assert shared_reason(pair.target, pair.vocab_size, pair.cache_kinds, False) == ""
+    assert shared_reason(pair.target, pair.vocab_size, pair.cache_kinds, True) == (
+        "a sharded target"
+    )
+    assert "window" in shared_reason(pair.target, pair.vocab_size, {"window": 2}, False)
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+def test_each_answer_is_what_it_gets_alone(kinds, options):
+    opts = {"max_tokens": 24, "adaptive": False, **options}
+    requests = [
+        (kinds["model"], PROMPTS[0], opts),
+        (kinds["ngram"], PROMPTS[1], opts),
+        (kinds["plain"], PROMPTS[2], opts),
+        (kinds["model"], PROMPTS[3], {**opts, "num_draft": 2}),
+    ]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    got, sizes = run_batch(driver, requests, join_after={3: 3})
+    want = [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert got == want
+    assert max(sizes) == 4 and driver.passes > 0
+    assert driver.shared_rows > driver.passes  # rows really shared passes
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_whose_drafter_reads_hidden_states_get_what_they_get_alone(eagle, temperature):
+    opts = {"max_tokens": 24, "adaptive": False, "temperature": temperature, "seed": 3}
+    requests = [
+        (eagle["model"], PROMPTS[0], opts),
+        (eagle["plain"], PROMPTS[1], opts),
+        (eagle["model"], PROMPTS[2], {**opts, "num_draft": 3}),
+    ]
+    driver = BatchDriver(eagle["model"].target, eagle["model"].vocab_size)
+    got, _ = run_batch(driver, requests, join_after={2: 2})
+    assert got == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert driver.shared_rows > driver.passes
+
+
+def test_a_long_prompt_is_read_in_chunks_between_the_others_rounds(kinds):
+    opts = {"max_tokens": 30, "temperature": 0.0, "adaptive": False}
+    long_ids = [(5 * i + 1) % 60 + 3 for i in range(3 * PREFILL_CHUNK + 10)]
+    requests = [(kinds["model"], PROMPTS[0], opts), (kinds["ngram"], long_ids, opts)]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    streams = dict(enumerate(open_row(p, prompt, **o) for p, prompt, o in requests))
+    first = [0, 0]  # the round that gave each row its first Round
+    for n in range(1, 6):
+        keys = list(streams)
+        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
+            assert not isinstance(got, Exception)
+            if got is not None:
+                first[i] = first[i] or n
+                if next(streams[i][0]).finish_reason:
+                    del streams[i]
+    # The short row answers from the first round on; the long one reads its 3 chunks first.
+    assert first == [1, 4]
+
+
+def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):
+    opts = {"max_tokens": 8, "temperature": 0.0, "adaptive": False}
+    streams = [open_row(kinds["model"], p, **opts) for p in PROMPTS[:2]]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    rows = [row for _, row in streams]
+    driver.round(rows)  # the first round: plain steps
+    targets = [row.rounds.gi_frame.f_locals["target"] for row in rows]
+    lengths = [t.offset for t in targets]
+
+    def broken(*args, **kwargs):  # the pass runs (every row's cache grows), then fails
+        mx.eval(shared_pass(*args, **kwargs))
+        raise CacheError("broken on purpose")
+
+    monkeypatch.setattr("macspec.core.batch_rounds.shared_pass", broken)
+    results = driver.round(rows)
+    assert all(isinstance(got, CacheError) for _, got in results)
+    assert [t.offset for t in targets] == lengths  # each row back where its round began
+
+
+def test_the_mask_hides_padding_and_follows_each_row():
+    class Fake:
+        def __init__(self, n):
+            self.offset = n
+
+    view = _Rows([Fake(2), Fake(4)])
+    mask = view.make_mask(2)
+    assert mask.shape == (2, 1, 2, 6)
+    assert mask[0, 0].tolist() == [[False, False, True, True, True, False]] + [
+        [False, False, True, True, True, True]
+    ]
+    assert mask[1, 0].tolist() == [[True, True, True, True, True, False]] + [[True] * 6]
+
+
+def test_one_shared_pass_gives_each_rows_own_logits(pair):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def cache(prompt):
+        c = make_prompt_cache(pair.target)
+        pair.target(mx.array(prompt)[None], cache=c)
+        return c
+
+    feeds = [([3, 4, 5], [6]), ([7], [8, 9, 10, 11]), ([12, 13], [14, 15])]
+    rows = [(cache(p), mx.array(f)) for p, f in feeds]
+    together = shared_pass(pair.target, pair.vocab_size, rows, hidden=True)
+    for (p, f), (got, states) in zip(feeds, together, strict=True):
+        want = pair.target(mx.array(p + f)[None])[0, len(p) :, : pair.vocab_size]
+        assert got.shape == want.shape
+        assert mx.allclose(got, want, atol=1e-4).item()
+        trunk = pair.target.model(mx.array(p + f)[None])[0, len(p) :]
+        assert mx.allclose(states, trunk, atol=1e-4).item()
+
+
+def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
+    """Alone, a row launches a plain step's next pass ahead (Target.launch), as alone it would,
+    and drops it when others join."""
+    opts = {"max_tokens": 12, "temperature": 0.0, "speculative": False}
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    made = {}
+
+    def rounds(*args, **kwargs):
+        made["row"] = Row(row_rounds(*args, company=lambda: driver.company, **kwargs))
+        return made["row"]
+
+    pair = kinds["plain"]
+    stream = api._stream(pair, api.prompt_ids(pair, PROMPTS[0]), GenerationOptions(**opts), rounds)
+    row, target = made["row"], None
+    got = []
+    for _ in range(3):
+        driver.round([row])
+        got += next(stream).emitted
+        target = target or row.rounds.gi_frame.f_locals["target"]
+        assert target.ahead is not None and driver.passes == 0
+    other, other_row = open_row(kinds["model"], PROMPTS[1], **opts)
+    while True:
+        results = driver.round([row, other_row])
+        assert target.ahead is None
+        ev = next(stream)
+        got += ev.emitted
+        if results[1][1] is not None and next(other).finish_reason:
+            pass
+        if ev.finish_reason:
+            break
+    assert got == alone(pair, PROMPTS[0], **opts)
+    assert driver.passes > 0

@@ -1,0 +1,100 @@
+"""`macspec serve` verifying several clients in one target pass: four `openai` clients at once,
+mixing speculative, plain, n-gram and seeded requests, each get exactly what the request gets
+alone; /health says the passes were shared, or why requests take turns."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+import macspec
+from macspec.options import GenerationOptions
+from macspec.server.batching import BatchScheduler, alone_reason
+from macspec.server.command import serving
+
+# (messages, options): the pair's drafter copies n-grams where the context repeats (the
+# second), the draft model elsewhere; one plain; one sampled with a seed (fixed K: an adaptive
+# K follows measured times, and a sampled answer follows K).
+REQUESTS = [
+    ("tell me about the red box", {"temperature": 0.0}),
+    ("one two three one two three one two three one two", {"temperature": 0.0}),
+    ("a story about a very long and winding road", {"temperature": 0.0, "speculative": False}),
+    ("the old odd box", {"temperature": 1.0, "seed": 11, "adaptive": False, "num_draft": 3}),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(chat_dirs):
+    return macspec.load(*chat_dirs)
+
+
+def ask_all(url, pair, requests, max_tokens=48):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def ask(request):
+        text, options = request
+        extra = {k: v for k, v in options.items() if k != "temperature"}
+        answer = client.chat.completions.create(
+            model=pair.target_path.name,
+            messages=[{"role": "user", "content": text}],
+            max_tokens=max_tokens,
+            temperature=options["temperature"],
+            extra_body=extra,
+        )
+        return answer.choices[0].message.content
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(ask, requests))
+
+
+def test_four_clients_in_one_pass_get_what_each_gets_alone(pair):
+    alone = [
+        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=48, **o).text
+        for t, o in REQUESTS
+    ]
+    with serving(pair, parallel=4) as url:
+        together = ask_all(url, pair, REQUESTS)
+        health = httpx.get(url + "/health").json()
+    assert together == alone
+    assert health["batched"] is True and "batch_reason" not in health
+    assert health["shared_passes"] > 0 and health["rows_per_shared_pass"] > 1
+    assert health["requests_taking_turns"] == 0
+
+
+def test_taking_turns_gives_the_same_answers_and_health_says_why(pair):
+    with serving(pair, parallel=4, batch=False) as url:
+        together = ask_all(url, pair, REQUESTS[:2], max_tokens=16)
+        health = httpx.get(url + "/health").json()
+    alone = [
+        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=16, **o).text
+        for t, o in REQUESTS[:2]
+    ]
+    assert together == alone
+    assert health["batched"] is False and "--no-batch" in health["batch_reason"]
+    assert health["shared_passes"] == 0
+
+
+def test_constrained_requests_take_turns():
+    assert alone_reason(GenerationOptions.from_kwargs(json_schema={"type": "object"})) == (
+        "constrained decoding takes turns"
+    )
+    assert alone_reason(GenerationOptions.from_kwargs()) == ""
+
+
+def test_a_pair_that_cannot_share_takes_turns(pair, monkeypatch):
+    monkeypatch.setattr(pair, "cache_kinds", {"attention": 1, "window": 1})
+    scheduler = BatchScheduler(pair, 2)
+    with serving(pair, scheduler=scheduler) as url:
+        got = ask_all(url, pair, REQUESTS[:2], max_tokens=8)
+        health = httpx.get(url + "/health").json()
+    monkeypatch.undo()
+    want = [
+        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=8, **o).text
+        for t, o in REQUESTS[:2]
+    ]
+    assert got == want
+    assert health["batched"] is False and "window" in health["batch_reason"]
+    assert health["requests_taking_turns"] == 2
