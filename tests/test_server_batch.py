@@ -98,3 +98,25 @@ def test_a_pair_that_cannot_share_takes_turns(pair, monkeypatch):
     assert got == want
     assert health["batched"] is False and "window" in health["batch_reason"]
     assert health["requests_taking_turns"] == 2
+
+
+def test_constrained_and_logprob_requests_take_turns_beside_a_batch(pair):
+    grammar = 'start: "the " /[a-z]+/ " box"'  # what the tiny character tokenizer can write
+    requests = [
+        *REQUESTS[:2],
+        ("tell me about a box", {"temperature": 0.0, "grammar": grammar}),
+        ("tell me about the old box", {"temperature": 0.0, "logprobs": True, "top_logprobs": 2}),
+    ]
+    with serving(pair, parallel=4) as url:
+        together = ask_all(url, pair, requests, max_tokens=24)
+        health = httpx.get(url + "/health").json()
+    options = [o for _, o in REQUESTS[:2]] + [
+        {"grammar": grammar, "temperature": 0.0},
+        {"top_logprobs": 2, "temperature": 0.0},
+    ]
+    alone = [
+        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=24, **o).text
+        for (t, _), o in zip(requests, options, strict=True)
+    ]
+    assert together == alone and together[2].startswith("the ")
+    assert health["batched"] is True and health["requests_taking_turns"] == 2

@@ -22,10 +22,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import CacheError
+from ..errors import CacheError, OptionError
 from . import caches
 from .batch import can_share, shared_pass
 from .caches import Hit, PromptCache
+from .constraint import Constraint
 from .drafters.base import DistFn, Drafter
 from .loop import Round, Timing, _close, _max_step, _next_k, _round, _stop, _Verdict, _verify
 from .memory import CacheClearing
@@ -65,13 +66,18 @@ def row_rounds(
     timing: Timing,
     policy: Policy | None = None,
     prompt_cache: PromptCache | None = None,
+    constraint: Constraint | None = None,
+    logprobs: int | None = None,
     chunk: int = PREFILL_CHUNK,
     company: Callable[[], int] = lambda: 2,
 ) -> Generator[Any, Any, None]:
     """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
     prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
     generate_rounds' own); yields PREFILLING, Feed (send back its logits and hidden states)
-    or Round."""
+    or Round. A row applies no constraint masks and reports no logprobs: such generations take
+    their rounds alone (generate_rounds)."""
+    if constraint is not None or logprobs is not None:
+        raise OptionError("a batched row takes no constraint or logprobs: run it alone")
     policy = policy or FixedK(num_draft)
     history = list(prompt)
     max_step = _max_step(policy, target, prompt_cache)

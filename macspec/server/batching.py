@@ -95,8 +95,7 @@ class BatchScheduler(Scheduler):
             ids = prompt_ids(self.pair, job.ids)
             check_length(self.pair, ids)
 
-            def rounds(*args: Any, constraint: Any, logprobs: Any, **kwargs: Any) -> Row:
-                assert constraint is None and logprobs is None  # alone_reason sent those alone
+            def rounds(*args: Any, **kwargs: Any) -> Row:
                 # Alone in a round, a row's round is generate_rounds' own (a pass launched ahead).
                 company = lambda: self._driver.company  # noqa: E731
                 row = Row(row_rounds(*args, company=company, **kwargs))
