@@ -121,7 +121,7 @@ class Observed:
         steps = seen.vetoed.get(label, 0)
         if steps >= seen.waits.get(label, self.FIRST_WAIT):
             seen.vetoed[label], self._probing = 0, True
-            seen.arms[(label, k)].fade(steps)  # its rounds are that many of the label's old
+            seen.arms[(label, k)].fade(steps)  # its rounds are older by those plain steps
             return k  # a probe: the proposed arm's time again
         seen.vetoed[label] = steps + 1
         self._vetoing = True
