@@ -379,11 +379,9 @@ def _trees(opts: GenerationOptions) -> int:
 
 def _policy(opts: GenerationOptions, pair: Pair) -> Observed:
     """The adaptive policy priced by the measured costs, checked against the round times this
-    pair observes; the costs' plain step counts as the first plain step seen."""
-    seen = pair.observations
-    if not seen.plain.rounds:
-        seen.plain.add(pair.costs.plain_step, 1)
-    return Observed(adaptive(opts.num_draft, pair.costs, _trees(opts)), seen)
+    pair observes (its plain steps from now, not the load's: the machine's load moves)."""
+    adaptive_k = adaptive(opts.num_draft, pair.costs, _trees(opts))
+    return Observed(adaptive_k, pair.observations)
 
 
 def _fixed(opts: GenerationOptions) -> FixedK | FixedTree:

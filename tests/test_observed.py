@@ -46,9 +46,9 @@ def test_falls_back_to_plain_when_verification_loses_and_returns_when_it_pays():
     policy = Observed(Proposes(4))
     policy.observe_time(0, 1, 1.0)  # the first token: a plain step of 1 s
     # Verifying 4 drafts costs 4 steps and keeps 1 of them: 2 s a token against plain's 1 s.
-    costly = play(policy, 1 + 8 + 1 + 16 + 1, lambda k: 4.0, lambda k: 2)
-    # A first look, 8 plain steps, a losing probe, then 16 plain steps before the next one.
-    assert costly == [4] + [0] * 8 + [4] + [0] * 16 + [4]
+    costly = play(policy, 2 + 8 + 1 + 16 + 1, lambda k: 4.0, lambda k: 2)
+    # A first look (two rounds), 8 plain steps, a losing probe, then 16 plain steps.
+    assert costly == [4, 4] + [0] * 8 + [4] + [0] * 16 + [4]
     # Verification got cheap (a faster kernel, a copy the draft knows): 0.4 s a token.
     cheap = play(policy, 40, lambda k: 2.0, lambda k: 5)
     assert cheap == [0] * 32 + [4] * 8  # the next probe, after 32 steps, wins: it stays
@@ -60,7 +60,7 @@ def test_probes_wait_at_most_max_wait_steps():
     policy.observe_time(0, 1, 1.0)
     chosen = play(policy, 400, lambda k: 3.0, lambda k: 1)
     stretches = [len(s) for s in "".join("x" if k else "." for k in chosen).split("x")[1:-1]]
-    assert stretches == [8, 16, 32] + [64] * (len(stretches) - 3)
+    assert stretches == [0, 8, 16, 32] + [64] * (len(stretches) - 4)  # after a first look
 
 
 def test_a_cheaper_k_that_pays_is_run_in_place_of_a_losing_one():
@@ -69,8 +69,9 @@ def test_a_cheaper_k_that_pays_is_run_in_place_of_a_losing_one():
     seen.arms[(None, 1)] = Tally(seconds=1.2, tokens=2.0, rounds=1.0)  # 0.6 s a token: wins
     seen.arms[(None, 2)] = Tally(seconds=1.4, tokens=1.5, rounds=1.0)  # 0.93 s: wins, less
     policy = Observed(Proposes(4), seen)
-    assert policy.next_k() == 4  # K=4 never run: a first look
-    policy.observe_time(4, 2, 4.0)  # 2 s a token: loses
+    for _ in range(Observed.FIRST_LOOK):  # K=4 never run: a first look
+        assert policy.next_k() == 4
+        policy.observe_time(4, 2, 4.0)  # 2 s a token: loses
     assert [policy.next_k() for _ in range(3)] == [1, 1, 1]
     assert not policy.expects_plain()
 
@@ -88,7 +89,8 @@ def test_arms_are_kept_per_label():
 def test_a_vetoed_stretch_expects_plain_steps_until_a_probe_is_due():
     policy = Observed(Proposes(2))
     policy.observe_time(0, 1, 1.0)
-    policy.observe_time(policy.next_k(), 1, 3.0)  # the first look loses
+    for _ in range(Observed.FIRST_LOOK):  # the first look loses
+        policy.observe_time(policy.next_k(), 1, 3.0)
     expected = []
     for _ in range(Observed.FIRST_WAIT):
         assert policy.next_k() == 0
@@ -122,6 +124,8 @@ def switching(monkeypatch, cheaper: bool) -> list[Observed]:
     def policy(opts, pair):
         seen = Observations()
         seen.plain.add(1.0, 1)
+        # K=num_draft has had its first look and kept up with plain: it runs until it loses.
+        seen.arms[(None, opts.num_draft)] = Tally(1.0, 1.0, 1.0, runs=Observed.FIRST_LOOK)
         if cheaper:
             seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0)
         made.append(Injected(FixedK(opts.num_draft), seen))

@@ -30,6 +30,7 @@ class Tally:
     seconds: float = 0.0
     tokens: float = 0.0
     rounds: float = 0.0
+    runs: int = 0  # rounds ever added (not decayed)
 
     DECAY: ClassVar[float] = 0.8  # about the last five rounds of the arm
 
@@ -37,6 +38,7 @@ class Tally:
         self.seconds = self.DECAY * self.seconds + seconds
         self.tokens = self.DECAY * self.tokens + tokens
         self.rounds = self.DECAY * self.rounds + 1.0
+        self.runs += 1
 
     def fade(self, rounds: int) -> None:
         """As if `rounds` rounds of other arms had been added since (a stretch of plain steps)."""
@@ -70,9 +72,9 @@ class Observed:
     Choice rule, per round with label L, where p = seconds of a plain step and s(a) = seconds per
     emitted token of arm a, both decaying averages of this pair's own rounds:
       - the inner policy proposes k (priced by the measured costs); k = 0 is a plain step;
-      - an arm (L, k) never run yet is run (a first look);
+      - an arm (L, k) run fewer than two times yet is run (a first look);
       - else the arm with the least s among (L, k) and the run arms (L, j) with j < k is run if
-        s * margin <= p (a cheaper K where the proposed one loses);
+        s <= (1 + slack) * p (a cheaper K where the proposed one loses);
       - else a plain step; after `waits[L]` such steps the proposed arm runs once (a probe, its
         old rounds faded as if those steps had been its own), and each losing probe doubles
         the wait, from FIRST_WAIT up to MAX_WAIT steps; a winning one resets it.
@@ -80,13 +82,16 @@ class Observed:
 
     inner: Policy
     seen: Observations = field(default_factory=Observations)
-    margin: float = 1.0  # speculate only where it is at least this much faster than plain
+    # An arm loses when its seconds per token exceed plain's by more than this: on a shared
+    # machine round times swing by more, and the inner policy already prices the close cases.
+    slack: float = 0.2
     _arm: Arm | None = None  # the arm of the round being run (None: a plain step)
     _label: Label = None  # the label of the round being run
     _vetoing: bool = False  # the last choice was a plain step in place of a losing arm
     _probing: bool = False  # the round being run is a probe of a losing arm
 
     FIRST_WAIT: ClassVar[int] = 8
+    FIRST_LOOK: ClassVar[int] = 2  # rounds an arm runs before it can lose
     # A probe costs at most one losing round: one every 64 steps wastes little and still
     # catches the draft helping again (a passage it knows, code that repeats itself).
     MAX_WAIT: ClassVar[int] = 64
@@ -110,22 +115,25 @@ class Observed:
     def choose(self, label: Label, k: int | TreeShape) -> int | TreeShape:
         """The choice rule above, for a proposal of k drafts with label `label`."""
         seen = self.seen
-        if (label, k) not in seen.arms or seen.plain.rounds == 0:
+        if seen.plain.rounds == 0 or seen.arms.get((label, k), Tally()).runs < self.FIRST_LOOK:
             return k
         runs = [(label, k)] + [
             a for a in seen.arms if a[0] == label and isinstance(a[1], int) and a[1] < _depth(k)
         ]
         best = min(runs, key=lambda a: seen.arms[a].per_token)
-        if seen.arms[best].per_token * self.margin <= seen.plain.per_token:
+        if self.pays(seen.arms[best]):
             return best[1]
         steps = seen.vetoed.get(label, 0)
         if steps >= seen.waits.get(label, self.FIRST_WAIT):
             seen.vetoed[label], self._probing = 0, True
-            seen.arms[(label, k)].fade(steps)  # its rounds are that many of the label's old
+            seen.arms[(label, k)].fade(steps)  # its rounds are older by those plain steps
             return k  # a probe: the proposed arm's time again
         seen.vetoed[label] = steps + 1
         self._vetoing = True
         return 0
+
+    def pays(self, tally: Tally) -> bool:
+        return tally.per_token <= (1.0 + self.slack) * self.seen.plain.per_token
 
     def observe(self, k: int, accepted: int) -> None:
         self.inner.observe(k, accepted)
@@ -144,7 +152,7 @@ class Observed:
         label = self._arm[0]
         tally = seen.arms.setdefault(self._arm, Tally())
         tally.add(seconds, tokens)
-        if tally.per_token * self.margin <= seen.plain.per_token:
+        if self.pays(tally):
             seen.waits[label] = self.FIRST_WAIT
         elif self._probing:
             seen.waits[label] = min(2 * seen.waits.get(label, self.FIRST_WAIT), self.MAX_WAIT)
