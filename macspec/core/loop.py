@@ -83,22 +83,18 @@ def generate_rounds(
     constraint: Constraint | None = None,
     logprobs: int | None = None,
 ) -> Iterator[Round]:
-    """Yield one Round per target forward pass until a stop ("stop", "length", "context").
-    `policy` picks K per round (without one, K = num_draft every round); `prompt_cache`
-    (caches/prompt_cache.py): start from kept states, and keep the final ones. `constraint`:
-    masks p and q alike (a tree's forbidden candidates are never reached: the walk descends
-    only along ids drawn from masked rows); `logprobs`: report each emitted id's log
-    probability and its `logprobs` most likely (chains and plain steps)."""
+    """Yield one Round per target pass until a stop ("stop", "length", "context"). `policy` picks
+    K per round (default: num_draft); `prompt_cache`: start from kept states, keep the final ones;
+    `constraint` masks p and q alike (trees: the walk follows masked rows only); `logprobs`: each
+    emitted id's log probability and its `logprobs` most likely (chains and plain steps)."""
     policy = policy or FixedK(num_draft)
     with memory.wired_limit(target.model):
         history = list(prompt)
         max_step = _max_step(policy, target, prompt_cache)
         kept, prefill_time = _start(target, drafter, prompt, max_step, prompt_cache)
         opening = (prefill_time, kept.length if kept else 0)  # reported with the first round
-        generated = 0
-        steady = True  # the states hold `history` (less its last id): they may be kept
-        ready = perf_counter()  # when the latest ids were read
-        clearing = memory.CacheClearing()
+        generated, steady = 0, True  # steady: the states hold `history` (less its last id)
+        ready, clearing = perf_counter(), memory.CacheClearing()  # ready: the latest ids read
         try:
             while True:
                 room = min(max_tokens - generated, context_length - len(history))
@@ -109,24 +105,20 @@ def generate_rounds(
                 steady = False
                 # A launched pass has run since the last ids were read: its time is this round's.
                 t0 = ready if target.ahead is not None else perf_counter()
-                # A plain step may start the next pass before its id is read (Target.launch).
-                launch = target.takes_lazy_ids and room > 1
+                launch = target.takes_lazy_ids and room > 1  # a plain step's next pass, early
                 v = _verify(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
                 policy.observe_time(k, v.n + 1, ready - t0)
-                emitted = (v.drafts[: v.n] + [v.token])[:room]
-                lps = _logprobs(seen, emitted, opts, history, constraint, logprobs)
-                history += emitted
-                steady = True
-                emitted, finish = _stop(
-                    emitted, eos_ids, generated, max_tokens, history, context_length
+                limits = (eos_ids, generated, max_tokens, context_length)
+                emitted, finish, lps = _emit(
+                    v, room, history, limits, seen, opts, constraint, logprobs
                 )
-                if constraint is not None:
-                    constraint.commit(emitted)  # always allowed: drawn from masked rows
-                first = opening if not generated else None
-                r = _round(v, emitted, finish, ready - t0, timing, first, lps)
+                steady = True
+                r = _round(
+                    v, emitted, finish, ready - t0, timing, None if generated else opening, lps
+                )
                 generated += len(emitted)
                 clearing.after(generated)
                 yield r
@@ -135,6 +127,29 @@ def generate_rounds(
         finally:
             if steady:  # a pass launched past the end is never read; the states may be kept
                 _close(target, drafter, history, prompt_cache)
+
+
+def _emit(
+    v: _Verdict,
+    room: int,
+    history: list[int],
+    limits: tuple[set[int], int, int, int],
+    seen: list | None,
+    opts: SamplingOptions,
+    constraint: Constraint | None,
+    logprobs: int | None,
+) -> tuple[list[int], str | None, list | None]:
+    """The round's ids (cut at a stop; `history` takes them all, as the states hold them), why
+    the generation finished (None: it goes on), and their log probabilities when asked for.
+    `limits`: (eos ids, ids generated so far, max_tokens, context length)."""
+    emitted = (v.drafts[: v.n] + [v.token])[:room]
+    lps = _logprobs(seen, emitted, opts, history, constraint, logprobs)
+    history += emitted
+    eos_ids, generated, max_tokens, context_length = limits
+    emitted, finish = _stop(emitted, eos_ids, generated, max_tokens, history, context_length)
+    if constraint is not None:
+        constraint.commit(emitted)  # always allowed: drawn from masked rows
+    return emitted, finish, lps
 
 
 def _close(
