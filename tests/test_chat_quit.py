@@ -22,7 +22,10 @@ import time
 import pytest
 from tinymodels import make_tiny_model
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal"),
+    pytest.mark.subprocess,
+]
 
 CTRL_Q, CTRL_N, ESC = "\x11", "\x0e", "\x1b"
 WAIT_S = 120  # generous: the suite shares a busy machine; nothing here measures time

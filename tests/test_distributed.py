@@ -114,6 +114,7 @@ def greedy_run(request, sharded_dirs, tmp_path_factory):
     return request.param, out, result
 
 
+@pytest.mark.subprocess
 def test_greedy_equals_single_process_target_only(greedy_run, sharded_dirs):
     n, _, result = greedy_run
     assert result["size"] == n
@@ -127,6 +128,7 @@ def test_greedy_equals_single_process_target_only(greedy_run, sharded_dirs):
     assert result["comm_time"] > 0  # the benchmark's communication time is measured
 
 
+@pytest.mark.subprocess
 def test_caches_identical_across_ranks_after_rejections(greedy_run, sharded_dirs):
     """Every rank rewound to the same length, and the shards together hold exactly the cache
     that one process decoding the same tokens holds (each rank has 6/n of the KV heads)."""
@@ -150,6 +152,7 @@ PROMPT = [3, 4, 5, 3]
 N = 200  # launches are slow here (two processes on shared cores); N has power, see below
 
 
+@pytest.mark.subprocess
 def test_distribution_matches_target_distributed(tmp_path, monkeypatch):
     """Speculative sampling over 2 ranks is distributed as the target alone (chi-square).
 
@@ -194,6 +197,7 @@ def wait_all(procs, seconds: float) -> list[tuple[int, str]]:
     return results
 
 
+@pytest.mark.subprocess
 def test_killed_rank_gives_an_error_on_rank_0(sharded_dirs, tmp_path):
     opts = {**GREEDY, "rank": 1, "after": 3, "signal": "SIGKILL"}
     procs = spawn(2, sharded_dirs[0], "die", tmp_path, opts)
@@ -204,6 +208,7 @@ def test_killed_rank_gives_an_error_on_rank_0(sharded_dirs, tmp_path):
     assert "Traceback" not in err0
 
 
+@pytest.mark.subprocess
 def test_hung_rank_gives_an_error_on_rank_0_in_bounded_time(sharded_dirs, tmp_path):
     opts = {**GREEDY, "rank": 1, "after": 3, "signal": "SIGSTOP"}
     procs = spawn(2, sharded_dirs[0], "die", tmp_path, opts, MACSPEC_DIST_TIMEOUT="5")
@@ -233,6 +238,7 @@ def test_no_group_outside_a_launcher(monkeypatch):
     assert distributed.is_leader(macspec.Pair(None, None, Path(".")))
 
 
+@pytest.mark.subprocess
 def test_cli_under_mlx_launch_prints_on_rank_0_only(sharded_dirs):
     target, draft = sharded_dirs
     cmd = [mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2))]

@@ -39,7 +39,8 @@ def _planned(action: str) -> list:
             offline = set(p.fixtures) & {"fresh-store", "sharded-pair"} and not (
                 set(p.fixtures) & {"gguf", "server"}
             )
-            marks = [pytest.mark.slow] + ([] if offline else [pytest.mark.network])
+            marks = [pytest.mark.slow, pytest.mark.subprocess]
+            marks += [] if offline else [pytest.mark.network]
             out.append(pytest.param(b, p, id=b.name, marks=marks))
     return out
 

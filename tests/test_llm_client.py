@@ -18,7 +18,10 @@ import macspec
 from macspec.server.command import serving
 
 LLM = Path(sys.executable).parent / "llm"
-pytestmark = pytest.mark.skipif(not LLM.is_file(), reason="the llm CLI is not installed")
+pytestmark = [
+    pytest.mark.skipif(not LLM.is_file(), reason="the llm CLI is not installed"),
+    pytest.mark.subprocess,
+]
 
 
 def configure(home: Path, base: str, model_name: str) -> dict[str, str]:

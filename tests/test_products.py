@@ -183,6 +183,7 @@ def test_off_switch(monkeypatch, tmp_path):
     assert native.reason == "switched off (MACSPEC_NATIVE is off)"
 
 
+@pytest.mark.subprocess
 def test_thread_pool_restarts_and_runs_without_hanging():
     # Workers started and stopped in quick succession, between products (a stop that came
     # before a new worker first ran once left it asleep forever), and thousands of products
