@@ -126,7 +126,12 @@ OPTION_SETS = [
 ]
 
 
-def tree_counts(pair, monkeypatch, options, n=1000):
+# Power (simulated from the broken rule's distribution, measured at N=1000): with N=400 the
+# favourite-child rule gives p < 1e-5 in every one of 400 simulated seed sets (N=200: 87%).
+N = 400
+
+
+def tree_counts(pair, monkeypatch, options, n=N):
     from exactness import sample_prefixes
 
     from macspec import api
