@@ -32,6 +32,8 @@ from macspec.tools.distill.training import deepen_draft, train, unrolled, widen_
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 # For drafts whose quality no assertion reads (a refusal, a shape): the least a run writes.
 TINY_RUN = {"tokens": 200, "max_new": 8, "epochs": 1, "eval_tokens": 4, "progress": False}
+# Deepening a trained draft: the new layer needs little data to keep drafts accepted.
+DEEP_RUN = {**SMALL_RUN, "tokens": 500, "epochs": 3}
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +360,7 @@ def test_deepened_draft_predicts_what_it_did(tmp_path):
 def test_layers_deepens_an_init_draft_and_never_drops_layers(run, tmp_path):
     target, out = run
     deep = d.distill(
-        str(target), str(tmp_path / "deep"), init=str(out), layers=2, lr=3e-3, seed=1, **SMALL_RUN
+        str(target), str(tmp_path / "deep"), init=str(out), layers=2, lr=3e-3, seed=1, **DEEP_RUN
     )
     draft, _, meta = read_draft(deep)
     assert meta["config"]["layers"] == 2 and len(draft.blocks) == 2
