@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 from macspec.cli import main
 from macspec.core.policy import COPY_FACTOR

@@ -20,7 +20,7 @@ import termios
 import time
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 from macspec import paths
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.cli import main

@@ -1,7 +1,7 @@
 """A sharded target over 2 and 3 local processes (ring backend over loopback), tiny models.
 
-Each launch runs tests/dist_worker.py on every rank; rank 0 writes result.json, and in "caches"
-mode every rank writes its KV cache, which the tests compare with single-process decoding.
+Each launch runs tests/support/dist_worker.py on every rank; rank 0 writes result.json, and in
+"caches" mode every rank writes its KV cache, which the tests compare with single-process decoding.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
 from mlx_lm.models.cache import make_prompt_cache
-from tinymodels import make_tiny_model
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 import macspec.core.verify as engine
 from macspec.core import sharded as distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "dist_worker.py"
 LIMIT = 240  # seconds: a launch that takes longer has hung (the machine is shared and slow)
 GREEDY = {"prompt": "Once upon", "max_tokens": 40, "num_draft": 4, "adaptive": False}
 

@@ -176,7 +176,7 @@ def test_advice_on_avx2_kernels_forced_onto_an_avx512_cpu():
 
 
 def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", seed=1)
     assert main(["doctor", "--json", "--model", str(model)]) == 0
@@ -205,7 +205,7 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
 
 def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
     """qwen3_5 wraps its decoder (`model.language_model`): pass times, no split, no crash."""
-    from archzoo import make_arch_model
+    from support.archzoo import make_arch_model
 
     model = make_arch_model(tmp_path / "q", "qwen3_5")
     assert main(["doctor", "--json", "--model", str(model)]) == 0

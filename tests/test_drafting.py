@@ -4,9 +4,9 @@ import time
 from dataclasses import replace
 
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
-from tinymodels import make_tiny_model
 
 import macspec
 import macspec.core.target as target_module

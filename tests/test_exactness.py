@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
+from support.exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
 import macspec.core.verify as engine

@@ -2,9 +2,9 @@
 hybrid recurrent model, through rounds that rewind their caches; and the same test fails when a
 cache rewind is broken the way mlx-lm's trim silently is."""
 
-import archzoo
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
+from support import archzoo
+from support.exactness import chi_square, exact_joint, sample_prefixes
 
 import macspec
 from macspec.core import caches

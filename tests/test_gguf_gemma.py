@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gemma_file import gemma_gguf
+from support.gemma_file import gemma_gguf
 
 import macspec
 from macspec.chat_template import render

@@ -14,7 +14,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from tinymodels import DEFAULT_CHARS, write_char_tokenizer
+from support.tinymodels import DEFAULT_CHARS, write_char_tokenizer
 from transformers import AutoTokenizer
 
 from macspec import options

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from scripted_server import scripted_serving, tool_model
+from support.scripted_server import scripted_serving, tool_model
 
 import macspec
 from macspec.server.command import serving

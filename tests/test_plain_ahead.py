@@ -5,9 +5,9 @@ context, and the statistical tests fail on a launched pass whose logits are stal
 
 import mlx.core as mx
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 from test_eagle import make_draft
-from tinymodels import make_tiny_model
 
 import macspec
 from macspec import api

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tinymodels import chunk_logits, llama_like
+from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import blocks, kernels, native, products
 
