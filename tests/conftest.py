@@ -2,7 +2,7 @@ import macspec  # noqa: I001  first, so that it loads OpenBLAS before anything i
 import os
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 # Every load measures its own costs: long-context costs kept on disk (core/measure.py) would
 # stand in for the ones a test sets, and fill the user's cache with tiny models' entries.

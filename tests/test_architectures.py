@@ -1,13 +1,13 @@
 """Speculation is exact on every architecture mlx-lm runs, whatever its layers cache: full
 attention, sliding windows (wrapped: windows are shorter than the prompt), recurrent states.
 
-Each model is a tiny random one built with mlx-lm's own class (tests/archzoo.py); the reference
-is mlx-lm's own greedy `generate_step`. Architectures whose caches cannot be rewound are refused
-at load, before any output, and still decode plainly.
+Each model is a tiny random one built with mlx-lm's own class (tests/support/archzoo.py); the
+reference is mlx-lm's own greedy `generate_step`. Architectures whose caches cannot be rewound are
+refused at load, before any output, and still decode plainly.
 """
 
-import archzoo
 import pytest
+from support import archzoo
 
 import macspec
 from macspec.core.caches import recurrent

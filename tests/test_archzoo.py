@@ -4,14 +4,21 @@ These tests check the fixture, not macspec: the coverage test compares macspec's
 `mlx_greedy`, so that reference must equal a full recomputation on every architecture.
 """
 
-import archzoo
 import mlx.core as mx
 import pytest
-from archzoo import ZOO, build_model, cache_classes, make_prompt, mlx_greedy, recompute_greedy
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
+from support import archzoo
+from support.archzoo import (
+    ZOO,
+    build_model,
+    cache_classes,
+    make_prompt,
+    mlx_greedy,
+    recompute_greedy,
+)
 
 ARCHS = list(ZOO)
 NAMED_SLIDING = "gemma3_text gemma4_text gpt_oss olmo3 cohere2 exaone4 gemma3 gemma4".split()

@@ -89,8 +89,8 @@ def kinds(pair):
 @pytest.fixture(scope="module")
 def eagle(tmp_path_factory):
     """A pair whose drafter reads the target's hidden states (EAGLE, as the default pair's)."""
+    from support.tinymodels import make_tiny_model
     from test_eagle import make_draft
-    from tinymodels import make_tiny_model
 
     root = tmp_path_factory.mktemp("batch-eagle")
     target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0)

@@ -8,7 +8,7 @@ import json
 import sys
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 from macspec.cli import main
 from macspec.core.policy import COPY_FACTOR
@@ -494,7 +494,7 @@ def test_stderr_progress_lines():
 @pytest.fixture(scope="module")
 def gguf_pair(tmp_path_factory):
     """A tiny BPE target as a GGUF file and as the store model converted from it."""
-    from gguf_helpers import hf_to_gguf, make_bpe_model
+    from support.gguf_helpers import hf_to_gguf, make_bpe_model
 
     from macspec.models.convert import convert
 

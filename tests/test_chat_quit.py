@@ -20,9 +20,14 @@ import termios
 import time
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal")
+from macspec import paths
+
+pytestmark = [
+    pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX pseudo-terminal"),
+    pytest.mark.subprocess,
+]
 
 CTRL_Q, CTRL_N, ESC = "\x11", "\x0e", "\x1b"
 WAIT_S = 120  # generous: the suite shares a busy machine; nothing here measures time
@@ -37,6 +42,17 @@ def long_pair(tmp_path_factory):
     target = make_tiny_model(root / "target", seed=0, **kw)
     draft = make_tiny_model(root / "draft", seed=0, perturb=0.3, **kw)
     return target, draft
+
+
+@pytest.fixture
+def home(tmp_path):
+    """A fresh store per case, sharing the suite's native build: otherwise every case's command
+    compiles the CPU extension again before its first screen."""
+    home = tmp_path / "home"
+    home.mkdir()
+    paths.native_dir().mkdir(parents=True, exist_ok=True)
+    (home / "native").symlink_to(paths.native_dir(), target_is_directory=True)
+    return home
 
 
 class Terminal:
@@ -127,11 +143,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_ctrl_q_quits_with_status_0_and_prints_nothing(case, long_pair, tmp_path):
+def test_ctrl_q_quits_with_status_0_and_prints_nothing(case, long_pair, home):
     before_quit, max_tokens = CASES[case]
     target, draft = long_pair
     args = ["--target", str(target), "--draft", str(draft), "--max-tokens", str(max_tokens)]
-    term = Terminal(args, tmp_path / "home")
+    term = Terminal(args, home)
     term.wait_for("Message (Enter sends")
     term.press("hello there\r")
     before_quit(term)

@@ -12,7 +12,7 @@ import io
 import re
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec import cli

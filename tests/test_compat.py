@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tinymodels import DEFAULT_CHARS, make_tiny_model
+from support.tinymodels import DEFAULT_CHARS, make_tiny_model
 from tokenizers import Tokenizer, processors
 
 from macspec.cli import main

@@ -15,8 +15,8 @@ import jsonschema
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import chi_square
-from tinymodels import DEFAULT_CHARS, make_tiny_model
+from support.exactness import chi_square
+from support.tinymodels import DEFAULT_CHARS, make_tiny_model
 
 import macspec
 from macspec.core.drafters.base import Proposal

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from scipy.stats import chisquare
-from tinymodels import DEFAULT_CHARS, write_char_tokenizer
+from support.tinymodels import DEFAULT_CHARS, write_char_tokenizer
 from transformers import AutoTokenizer
 
 from macspec.core.sampling import SamplingOptions, distribution, sample

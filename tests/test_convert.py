@@ -13,10 +13,10 @@ import huggingface_hub
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf_helpers import hf_to_gguf, make_bpe_model
 from huggingface_hub import constants
 from mlx_lm.utils import load_model
-from tinymodels import make_tiny_model
+from support.gguf_helpers import hf_to_gguf, make_bpe_model
+from support.tinymodels import make_tiny_model
 
 from macspec import cli
 from macspec.errors import ConvertError, ModelError, OptionError

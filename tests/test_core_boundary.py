@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import macspec
 
 CORE = Path(macspec.__file__).parent / "core"
@@ -67,6 +69,7 @@ def test_the_core_does_no_io():
         assert not {n.split(".")[0] for n in _imports(path)} & NO_IO, path
 
 
+@pytest.mark.subprocess
 def test_the_core_imported_alone_loads_no_cpu_package():
     # Stands in for `macspec/__init__.py` (which installs the CPU package) with a bare package,
     # so that only what the core itself imports is loaded.

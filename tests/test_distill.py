@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.cli import main
@@ -30,6 +30,10 @@ from macspec.tools.distill.data import (
 from macspec.tools.distill.training import deepen_draft, train, unrolled, widen_draft
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
+# For drafts whose quality no assertion reads (a refusal, a shape): the least a run writes.
+TINY_RUN = {"tokens": 200, "max_new": 8, "epochs": 1, "eval_tokens": 4, "progress": False}
+# Deepening a trained draft: the new layer needs little data to keep drafts accepted.
+DEEP_RUN = {**SMALL_RUN, "tokens": 500, "epochs": 3}
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +172,7 @@ def test_init_must_be_an_eagle_draft_for_this_target(run, tmp_path):
     with pytest.raises(ModelError, match="cannot read the eagle draft"):
         d.distill(str(target), str(tmp_path / "a"), init=str(target), **SMALL_RUN)
     other = make_tiny_model(tmp_path / "wide", seed=0, hidden=64, tie=False, context=512)
-    wide = d.distill(str(other), str(tmp_path / "wide-draft"), vocab=40, **SMALL_RUN)
+    wide = d.distill(str(other), str(tmp_path / "wide-draft"), vocab=40, **TINY_RUN)
     with pytest.raises(ModelError, match="hidden size 64"):
         d.distill(str(target), str(tmp_path / "b"), init=str(wide), **SMALL_RUN)
     written = {p.name for p in tmp_path.iterdir()}
@@ -356,7 +360,7 @@ def test_deepened_draft_predicts_what_it_did(tmp_path):
 def test_layers_deepens_an_init_draft_and_never_drops_layers(run, tmp_path):
     target, out = run
     deep = d.distill(
-        str(target), str(tmp_path / "deep"), init=str(out), layers=2, lr=3e-3, seed=1, **SMALL_RUN
+        str(target), str(tmp_path / "deep"), init=str(out), layers=2, lr=3e-3, seed=1, **DEEP_RUN
     )
     draft, _, meta = read_draft(deep)
     assert meta["config"]["layers"] == 2 and len(draft.blocks) == 2

@@ -1,7 +1,7 @@
 """A sharded target over 2 and 3 local processes (ring backend over loopback), tiny models.
 
-Each launch runs tests/dist_worker.py on every rank; rank 0 writes result.json, and in "caches"
-mode every rank writes its KV cache, which the tests compare with single-process decoding.
+Each launch runs tests/support/dist_worker.py on every rank; rank 0 writes result.json, and in
+"caches" mode every rank writes its KV cache, which the tests compare with single-process decoding.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
 from mlx_lm.models.cache import make_prompt_cache
-from tinymodels import make_tiny_model
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 import macspec.core.verify as engine
 from macspec.core import sharded as distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+WORKER = Path(__file__).resolve().parent / "support" / "dist_worker.py"
 LIMIT = 240  # seconds: a launch that takes longer has hung (the machine is shared and slow)
 GREEDY = {"prompt": "Once upon", "max_tokens": 40, "num_draft": 4, "adaptive": False}
 
@@ -114,6 +114,7 @@ def greedy_run(request, sharded_dirs, tmp_path_factory):
     return request.param, out, result
 
 
+@pytest.mark.subprocess
 def test_greedy_equals_single_process_target_only(greedy_run, sharded_dirs):
     n, _, result = greedy_run
     assert result["size"] == n
@@ -127,6 +128,7 @@ def test_greedy_equals_single_process_target_only(greedy_run, sharded_dirs):
     assert result["comm_time"] > 0  # the benchmark's communication time is measured
 
 
+@pytest.mark.subprocess
 def test_caches_identical_across_ranks_after_rejections(greedy_run, sharded_dirs):
     """Every rank rewound to the same length, and the shards together hold exactly the cache
     that one process decoding the same tokens holds (each rank has 6/n of the KV heads)."""
@@ -150,6 +152,7 @@ PROMPT = [3, 4, 5, 3]
 N = 200  # launches are slow here (two processes on shared cores); N has power, see below
 
 
+@pytest.mark.subprocess
 def test_distribution_matches_target_distributed(tmp_path, monkeypatch):
     """Speculative sampling over 2 ranks is distributed as the target alone (chi-square).
 
@@ -194,6 +197,7 @@ def wait_all(procs, seconds: float) -> list[tuple[int, str]]:
     return results
 
 
+@pytest.mark.subprocess
 def test_killed_rank_gives_an_error_on_rank_0(sharded_dirs, tmp_path):
     opts = {**GREEDY, "rank": 1, "after": 3, "signal": "SIGKILL"}
     procs = spawn(2, sharded_dirs[0], "die", tmp_path, opts)
@@ -204,6 +208,7 @@ def test_killed_rank_gives_an_error_on_rank_0(sharded_dirs, tmp_path):
     assert "Traceback" not in err0
 
 
+@pytest.mark.subprocess
 def test_hung_rank_gives_an_error_on_rank_0_in_bounded_time(sharded_dirs, tmp_path):
     opts = {**GREEDY, "rank": 1, "after": 3, "signal": "SIGSTOP"}
     procs = spawn(2, sharded_dirs[0], "die", tmp_path, opts, MACSPEC_DIST_TIMEOUT="5")
@@ -233,6 +238,7 @@ def test_no_group_outside_a_launcher(monkeypatch):
     assert distributed.is_leader(macspec.Pair(None, None, Path(".")))
 
 
+@pytest.mark.subprocess
 def test_cli_under_mlx_launch_prints_on_rank_0_only(sharded_dirs):
     target, draft = sharded_dirs
     cmd = [mlx_launch(), "-n", "2", "--backend", "ring", "--starting-port", str(free_port(2))]

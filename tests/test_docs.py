@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from docs_pages import PAGES, ROOT, Block, anchors, broken_links, named_paths, plan, split
+from support.docs_pages import PAGES, ROOT, Block, anchors, broken_links, named_paths, plan, split
 
 README_LIMIT = 300
 TIMEOUT = 900  # seconds for one block: a load measures the machine, and the cores are shared
@@ -39,7 +39,8 @@ def _planned(action: str) -> list:
             offline = set(p.fixtures) & {"fresh-store", "sharded-pair"} and not (
                 set(p.fixtures) & {"gguf", "server"}
             )
-            marks = [pytest.mark.slow] + ([] if offline else [pytest.mark.network])
+            marks = [pytest.mark.slow, pytest.mark.subprocess]
+            marks += [] if offline else [pytest.mark.network]
             out.append(pytest.param(b, p, id=b.name, marks=marks))
     return out
 
@@ -109,7 +110,7 @@ def test_from_macspec_import_distributed_works_as_documented():
 
 
 def test_the_readme_architecture_table_is_the_tested_one():
-    import archzoo
+    from support import archzoo
     from test_architectures import REFUSED
 
     from macspec.models import gguf_arch
@@ -241,7 +242,7 @@ def _prepare(block: Block, how, cwd: Path, request) -> tuple[dict[str, str], Blo
     for the block's fixtures (docs/README.md describes each)."""
     import dataclasses
 
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     env, args, fixtures = _user_env(), [], set(how.fixtures)
     if "gguf" in fixtures:
@@ -303,7 +304,7 @@ def sharded_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny target with 6 heads and 6 KV heads (2 ranks divide them) and a noisy copy. These
     weights answer "Hello" with varied ids, half of the drafts rejected (many other seeds repeat
     one character, which would make equal outputs say little)."""
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     root = tmp_path_factory.mktemp("sharded")
     kw = {"seed": 3, "hidden": 96, "heads": 6, "kv_heads": 6, "tie": False, "scale": 4.0}

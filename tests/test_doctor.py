@@ -60,6 +60,7 @@ def test_measurements_are_positive():
     assert be.measure_matmul_gflops(64, repeats=1) > 0
 
 
+@pytest.mark.subprocess
 def test_doctor_json(capsys):
     assert main(["doctor", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -88,6 +89,7 @@ NO_OPENBLAS = "no Debian OpenBLAS (apt-get install libopenblas0-pthread)"
 
 
 @pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+@pytest.mark.subprocess
 def test_command_loads_openblas_in_process_and_opt_out_works():
     fast = _doctor_subprocess()
     assert fast["blas"] == "openblas" and fast["blas_loaded_by_macspec"] == str(be.find_openblas())
@@ -117,6 +119,7 @@ REPORT = (
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] on Linux only")
 @pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+@pytest.mark.subprocess
 def test_a_script_importing_macspec_runs_mlx_on_openblas():
     # blas_in_use reads the slot mlx's cblas_sgemm calls go through, not just what is loaded
     done = _script("import macspec\n" + REPORT)
@@ -128,6 +131,7 @@ def test_a_script_importing_macspec_runs_mlx_on_openblas():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mlx[cpu] on Linux only")
 @pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+@pytest.mark.subprocess
 def test_mlx_imported_before_macspec_warns_once_with_the_remedy():
     code = "import mlx.core\nimport macspec\nimport importlib; importlib.import_module('macspec')\n"
     done = _script(code + REPORT)
@@ -142,6 +146,7 @@ def test_mlx_imported_before_macspec_warns_once_with_the_remedy():
 
 
 @pytest.mark.skipif(be.find_openblas() is None, reason=NO_OPENBLAS)
+@pytest.mark.subprocess
 def test_doctor_reports_the_openblas_kernels_in_use():
     # Debian's OpenBLAS picks kernels per CPU at start-up; OPENBLAS_CORETYPE forces a set.
     forced = _doctor_subprocess(OPENBLAS_CORETYPE="Haswell", OPENBLAS_NUM_THREADS="1")
@@ -171,7 +176,7 @@ def test_advice_on_avx2_kernels_forced_onto_an_avx512_cpu():
 
 
 def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     model = make_tiny_model(tmp_path / "m", seed=1)
     assert main(["doctor", "--json", "--model", str(model)]) == 0
@@ -201,7 +206,7 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
 def test_the_floor_counts_the_weights_a_pass_reads(tmp_path):
     """Every weight once, but an input embedding apart from the output head only looked up."""
     import mlx.core as mx
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     from macspec.tools.doctor import verify_costs
 
@@ -217,7 +222,7 @@ def test_the_floor_counts_the_weights_a_pass_reads(tmp_path):
 
 def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
     """qwen3_5 wraps its decoder (`model.language_model`): pass times, no split, no crash."""
-    from archzoo import make_arch_model
+    from support.archzoo import make_arch_model
 
     model = make_arch_model(tmp_path / "q", "qwen3_5")
     assert main(["doctor", "--json", "--model", str(model)]) == 0

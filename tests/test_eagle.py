@@ -7,8 +7,8 @@ import shutil
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
-from tinymodels import make_tiny_model
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.core.drafters.eagle import EagleDraft, EagleDrafter, TargetParts, draft_config

@@ -10,8 +10,8 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 import pytest
-from drafter_models import EAGLE_TARGET_LAYERS, make_eagle3_draft, make_eagle_target
-from tinymodels import make_tiny_model
+from support.drafter_models import EAGLE_TARGET_LAYERS, make_eagle3_draft, make_eagle_target
+from support.tinymodels import make_tiny_model
 
 from macspec.errors import ModelError
 from macspec.models import eagle3

@@ -12,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from drafter_models import make_eagle3_draft, make_eagle_target
-from exactness import chi_square, exact_joint, sample_prefixes
-from tinymodels import make_tiny_model
+from support.drafter_models import make_eagle3_draft, make_eagle_target
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.core.drafters import Eagle3Drafter, drafter_class

@@ -165,7 +165,7 @@ def test_padded_embedding_rows_are_never_sampled(small_pair):
 
 
 def test_generation_stops_at_the_context_length(tmp_path):
-    from tinymodels import make_tiny_model
+    from support.tinymodels import make_tiny_model
 
     d = make_tiny_model(tmp_path / "m", context=16)
     pair = macspec.load(d, d)

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.errors import MacspecError, ModelError, OptionError, PromptError

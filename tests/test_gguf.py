@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import gguf_helpers
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf_helpers import hf_to_gguf, make_bpe_model
 from mlx_lm.utils import load_model, load_tokenizer
-from tinymodels import make_tiny_model
+from support import gguf_helpers
+from support.gguf_helpers import hf_to_gguf, make_bpe_model
+from support.tinymodels import make_tiny_model
 
 from macspec.errors import ConvertError
 from macspec.models.convert import convert
@@ -258,8 +258,8 @@ def test_qwen2_gguf(tmp_path):
 
 def test_progress_and_keep_report(tmp_path, monkeypatch, capsys):
     """Long conversions print tensors done / total with an ETA; -q keep names what it decoded."""
-    from gguf_arch_helpers import hf_to_gguf as write_case
-    from gguf_arch_helpers import make_model
+    from support.gguf_arch_helpers import hf_to_gguf as write_case
+    from support.gguf_arch_helpers import make_model
 
     from macspec.models import gguf as mgguf
 

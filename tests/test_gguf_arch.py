@@ -10,8 +10,8 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from gguf_arch_helpers import CASES, GEMMA, hf_to_gguf, make_model
 from mlx_lm.utils import load_model
+from support.gguf_arch_helpers import CASES, GEMMA, hf_to_gguf, make_model
 
 from macspec.errors import ConvertError
 from macspec.models import gguf_arch

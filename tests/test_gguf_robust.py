@@ -8,7 +8,7 @@ import struct
 
 import numpy as np
 import pytest
-from gguf_arch_helpers import hf_to_gguf, make_model
+from support.gguf_arch_helpers import hf_to_gguf, make_model
 
 from macspec.errors import ConvertError
 from macspec.models.convert import convert

@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-import gguf_helpers
 import pytest
-from gguf_helpers import CORPUS, SPECIALS, tokenizer_metadata
+from support import gguf_helpers
+from support.gguf_helpers import CORPUS, SPECIALS, tokenizer_metadata
 from transformers.integrations.gguf.gguf_tokenizer_mapping import (
     GGUF_TOKENIZER_MAPPING,
     convert_gguf_tokenizer,

@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf_arch_helpers import hf_to_gguf, make_model
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
+from support.gguf_arch_helpers import hf_to_gguf, make_model
 
 from macspec.models.convert import convert
 from macspec.models.gguf_read import KEEP_BITS, dequantize, read_header, readable_types, to_affine

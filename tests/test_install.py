@@ -71,6 +71,7 @@ def venv(wheel, tmp_path_factory) -> Path:
     return env
 
 
+@pytest.mark.subprocess
 def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "macspec/data/catalog.json" in names
@@ -91,6 +92,9 @@ def _default_home() -> Path:
     return store_root().parent
 
 
+@pytest.mark.slow
+@pytest.mark.network
+@pytest.mark.subprocess
 def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     env = {**os.environ, "MACSPEC_HOME": str(_default_home())}
     script = (

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
-from tinymodels import chunk_logits, llama_like
+from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import kernels
 

@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
-from tinymodels import chunk_logits, llama_like
+from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import blocks, kernels, native
 

@@ -12,13 +12,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from scripted_server import scripted_serving, tool_model
+from support.scripted_server import scripted_serving, tool_model
 
 import macspec
 from macspec.server.command import serving
 
 LLM = Path(sys.executable).parent / "llm"
-pytestmark = pytest.mark.skipif(not LLM.is_file(), reason="the llm CLI is not installed")
+pytestmark = [
+    pytest.mark.skipif(not LLM.is_file(), reason="the llm CLI is not installed"),
+    pytest.mark.subprocess,
+]
 
 
 def configure(home: Path, base: str, model_name: str) -> dict[str, str]:

@@ -10,11 +10,11 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from drafter_models import MTP_ARCHS, ZERO_CENTRED, make_mtp_checkpoint, mtp_trunk
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.utils import _get_classes, load_model
-from tinymodels import make_tiny_model
+from support.drafter_models import MTP_ARCHS, ZERO_CENTRED, make_mtp_checkpoint, mtp_trunk
+from support.tinymodels import make_tiny_model
 
 from macspec import cli
 from macspec.errors import ModelError

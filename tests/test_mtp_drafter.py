@@ -9,10 +9,10 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from drafter_models import make_mtp_checkpoint
-from exactness import chi_square, exact_joint, sample_prefixes
 from mlx.utils import tree_flatten
-from tinymodels import make_tiny_model
+from support.drafter_models import make_mtp_checkpoint
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 from macspec.core import caches

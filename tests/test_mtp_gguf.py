@@ -7,10 +7,10 @@ import json
 
 import mlx.core as mx
 import pytest
-from archzoo import _write_byte_level_char_tokenizer
-from drafter_models import glm4moe_gguf, make_mtp_checkpoint, mtp_trunk
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
+from support.archzoo import _write_byte_level_char_tokenizer
+from support.drafter_models import glm4moe_gguf, make_mtp_checkpoint, mtp_trunk
 
 from macspec.errors import ModelError
 from macspec.models import mtp

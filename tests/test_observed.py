@@ -3,7 +3,7 @@ plain decoding or a cheaper K where speculation loses, probes, returns where it 
 moves the output distribution. Round times are injected: no test here depends on a clock."""
 
 import pytest
-from exactness import chi_square, exact_joint, sample_prefixes
+from support.exactness import chi_square, exact_joint, sample_prefixes
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
 
 import macspec

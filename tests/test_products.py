@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tinymodels import chunk_logits, llama_like
+from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import blocks, kernels, native, products
 from macspec.mlx_thread import MlxThread
@@ -230,6 +230,7 @@ def test_off_switch(monkeypatch, tmp_path):
     assert native.reason == "switched off (MACSPEC_NATIVE is off)"
 
 
+@pytest.mark.subprocess
 def test_thread_pool_restarts_and_runs_without_hanging():
     # Workers started and stopped in quick succession, between products (a stop that came
     # before a new worker first ran once left it asleep forever), and thousands of products

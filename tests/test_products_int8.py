@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import test_exactness as te
 from conftest import SMALL
-from exactness import chi_square, exact_joint, sample_prefixes
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
-from tinymodels import make_tiny_model
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
 
 import macspec
 import macspec.core.verify as engine

@@ -3,10 +3,10 @@ the tokens a fresh prefill gives, on full-attention, sliding-window and hybrid r
 and with every drafter kind; it falls back where a cache kind cannot go back; entries never
 share buffers with a generation that writes into its caches."""
 
-import archzoo
 import pytest
+from support import archzoo
+from support.tinymodels import make_tiny_model
 from test_eagle import make_draft
-from tinymodels import make_tiny_model
 
 import macspec
 from macspec.core.caches import PromptCache

@@ -217,6 +217,7 @@ def test_the_api_key_is_required_when_set(pair):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.subprocess
 def test_a_signal_ends_the_stream_and_the_server_cleanly(chat_dirs, sig):
     target, draft = chat_dirs
     cmd = [sys.executable, "-m", "macspec", "serve", "--target", str(target), "--draft", str(draft)]

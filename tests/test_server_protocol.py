@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from scripted_server import scripted_serving, tool_model
+from support.scripted_server import scripted_serving, tool_model
 
 import macspec
 from macspec import api, chat_template

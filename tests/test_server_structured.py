@@ -11,8 +11,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from scripted_server import TOOL_TEMPLATE
-from tinymodels import DEFAULT_CHARS, make_tiny_model
+from support.scripted_server import TOOL_TEMPLATE
+from support.tinymodels import DEFAULT_CHARS, make_tiny_model
 
 import macspec
 from macspec.server.command import serving

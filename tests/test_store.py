@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model
-from tinymodels import make_tiny_model
+from support.tinymodels import make_tiny_model
 
 from macspec.errors import ModelError, OptionError
 from macspec.models import catalog, store

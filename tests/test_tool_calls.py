@@ -12,8 +12,8 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from chat_templates import Unreachable, templates
-from tinymodels import DEFAULT_CHARS, write_char_tokenizer
+from support.chat_templates import Unreachable, templates
+from support.tinymodels import DEFAULT_CHARS, write_char_tokenizer
 from transformers import AutoTokenizer
 
 from macspec import chat_template

@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from gguf_helpers import hf_to_gguf, make_bpe_model
+from support.gguf_helpers import hf_to_gguf, make_bpe_model
 
 from macspec.errors import ConvertError, ModelError
 from macspec.models import catalog, wheels

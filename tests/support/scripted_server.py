@@ -8,12 +8,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from tinymodels import make_tiny_model
-
 import macspec
 from macspec import api
 from macspec.server.command import serving
 from macspec.server.scheduler import END, Scheduler
+from support.tinymodels import make_tiny_model
 
 # Hermes' call format, in a template the character-level test model can read.
 TOOL_TEMPLATE = (

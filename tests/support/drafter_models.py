@@ -31,11 +31,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from archzoo import ZOO, _scale_params, _write_byte_level_char_tokenizer, build_model
 from mlx.utils import tree_flatten
-from tinymodels import make_tiny_model, write_char_tokenizer
 
 from macspec.models.mtp import make_block
+from support.archzoo import ZOO, _scale_params, _write_byte_level_char_tokenizer, build_model
+from support.tinymodels import make_tiny_model, write_char_tokenizer
 
 # architecture -> (zoo entry, config key counting the heads, where it lives, trunk layer whose
 # kind the head's block has: full attention / MoE as in the released models)
@@ -375,8 +375,9 @@ def glm4moe_gguf(
     map, as the converter's own map_tensor_name). `drop_heads` writes the trunk alone (what
     `--no-mtp` writes); `drop` leaves out one GGUF tensor."""
     import gguf
-    from gguf_arch_helpers import _add, _metadata
-    from gguf_helpers import tokenizer_metadata
+
+    from support.gguf_arch_helpers import _add, _metadata
+    from support.gguf_helpers import tokenizer_metadata
 
     config = json.loads((src / "config.json").read_text())
     layers, heads = config["num_hidden_layers"], config["num_nextn_predict_layers"]

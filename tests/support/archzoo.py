@@ -22,7 +22,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from tinymodels import DEFAULT_CHARS, SPECIALS, write_char_tokenizer
+
+from support.tinymodels import DEFAULT_CHARS, SPECIALS, write_char_tokenizer
 
 VOCAB = len(SPECIALS) + len(DEFAULT_CHARS)
 WINDOW = 8  # every sliding window; make_prompt() is always longer
@@ -809,7 +810,7 @@ def make_arch_model(
     """Save `build_model(arch, ...)` as an HF-style directory that `mlx_lm.utils.load` reads.
 
     config.json, model.safetensors (mlx-lm's own parameter names, float32) and the character
-    tokenizer of tests/tinymodels.py (same ids; see `BYTE_LEVEL_TOKENIZER`).
+    tokenizer of tests/support/tinymodels.py (same ids; see `BYTE_LEVEL_TOKENIZER`).
     """
     path = Path(path)
     write_char_tokenizer(path)

@@ -14,8 +14,9 @@ from pathlib import Path
 import gguf
 import mlx.core as mx
 import numpy as np
-from gguf_helpers import bpe_tokenizer, gguf_name, permute, tokenizer_metadata
 from mlx.utils import tree_flatten
+
+from support.gguf_helpers import bpe_tokenizer, gguf_name, permute, tokenizer_metadata
 
 BASE = {
     "hidden_size": 32,

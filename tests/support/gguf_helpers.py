@@ -13,7 +13,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from tinymodels import make_tiny_model
+
+from support.tinymodels import make_tiny_model
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

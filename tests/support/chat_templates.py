@@ -12,7 +12,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from gemma_file import cache_dir
+from support.gemma_file import cache_dir
 
 REQUIREMENT = "llama-cpp-python==0.3.36"
 SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
