@@ -369,6 +369,16 @@ class ToolCallStream:
 CALL_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": "[ \\n]{0,2}"}
 
 
+def _call_schema(function: dict[str, Any], key: str) -> dict[str, Any]:
+    """One call of `function` as a JSON object: its name and, under `key`, its arguments."""
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, key: function["parameters"]},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
 def required_spec(
     template: str,
     tools: list[dict[str, Any]],
@@ -385,18 +395,7 @@ def required_spec(
     family = family_of(template)
     named = [t for t in tools if choice.name in (None, t["function"]["name"])]
     key = "parameters" if family == "llama3" else "arguments"
-    calls = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t["function"]["name"]},
-                key: t["function"]["parameters"],
-            },
-            "required": ["name", key],
-            "additionalProperties": False,
-        }
-        for t in named
-    ]
+    calls = [_call_schema(t["function"], key) for t in named]
     one_of = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # Bounded whitespace (templates write ", " and ": "): free whitespace lets a model pad.
     call = "%json " + json.dumps({**one_of, "x-guidance": CALL_WHITESPACE})

@@ -28,7 +28,7 @@ from .batch import can_share, shared_pass
 from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import DistFn, Drafter
-from .loop import Round, Timing, _close, _max_step, _next_k, _round, _stop, _Verdict, _verify
+from .loop import Round, Timing, _close, _emit, _max_step, _next_k, _round, _Verdict, _verify
 from .memory import CacheClearing
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, sample
@@ -74,8 +74,7 @@ def row_rounds(
     """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
     prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
     generate_rounds' own); yields PREFILLING, Feed (send back its logits and hidden states)
-    or Round. A row applies no constraint masks and reports no logprobs: such generations take
-    their rounds alone (generate_rounds)."""
+    or Round. No constraint masks or logprobs here: those generations run alone."""
     if constraint is not None or logprobs is not None:
         raise OptionError("a batched row takes no constraint or logprobs: run it alone")
     policy = policy or FixedK(num_draft)
@@ -83,8 +82,7 @@ def row_rounds(
     max_step = _max_step(policy, target, prompt_cache)
     kept, prefill_time = yield from _start(target, drafter, prompt, max_step, prompt_cache, chunk)
     opening = (prefill_time, kept.length if kept else 0)
-    generated, steady, clearing = 0, True, CacheClearing()
-    ready = perf_counter()  # when the latest ids were read
+    generated, steady, clearing, ready = 0, True, CacheClearing(), perf_counter()
     try:
         while True:
             room = min(max_tokens - generated, context_length - len(history))
@@ -103,12 +101,9 @@ def row_rounds(
                 t0 = perf_counter()
                 v = yield from _shared_round(target, drafter, policy, history[-1], k, dist, subkey)
             ready = perf_counter()
-            emitted = (v.drafts[: v.n] + [v.token])[:room]
-            history += emitted
+            limits = (eos_ids, generated, max_tokens, context_length)
+            emitted, finish, _ = _emit(v, room, history, limits, None, opts, None, None)
             steady = True
-            emitted, finish = _stop(
-                emitted, eos_ids, generated, max_tokens, history, context_length
-            )
             r = _round(v, emitted, finish, ready - t0, timing, opening if not generated else None)
             generated += len(emitted)
             clearing.after(generated)
