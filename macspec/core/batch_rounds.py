@@ -78,8 +78,7 @@ def row_rounds(
     if constraint is not None or logprobs is not None:
         raise OptionError("a batched row takes no constraint or logprobs: run it alone")
     policy = policy or FixedK(num_draft)
-    history = list(prompt)
-    max_step = _max_step(policy, target, prompt_cache)
+    history, max_step = list(prompt), _max_step(policy, target, prompt_cache)
     kept, prefill_time = yield from _start(target, drafter, prompt, max_step, prompt_cache, chunk)
     opening = (prefill_time, kept.length if kept else 0)
     generated, steady, clearing, ready = 0, True, CacheClearing(), perf_counter()

@@ -89,8 +89,7 @@ def generate_rounds(
     emitted id's log probability and its `logprobs` most likely (chains and plain steps)."""
     policy = policy or FixedK(num_draft)
     with memory.wired_limit(target.model):
-        history = list(prompt)
-        max_step = _max_step(policy, target, prompt_cache)
+        history, max_step = list(prompt), _max_step(policy, target, prompt_cache)
         kept, prefill_time = _start(target, drafter, prompt, max_step, prompt_cache)
         opening = (prefill_time, kept.length if kept else 0)  # reported with the first round
         generated, steady = 0, True  # steady: the states hold `history` (less its last id)
