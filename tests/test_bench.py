@@ -550,3 +550,31 @@ def test_llamacpp_rows_run_the_gguf(gguf_pair, same_pair, tmp_path):
     assert k2["text"] == own["text"] and k2["text"].startswith(runs["macspec_plain"]["text"])
     with pytest.raises(OptionError, match="does not have the target's vocabulary"):
         _small(same_pair, tmp_path, methods="llamacpp_plain", gguf=gguf)
+
+
+def test_mtp_and_eagle3_rows_show_the_mechanism_on_tiny_models(tmp_path, monkeypatch):
+    """A target that carries MTP heads gets a `macspec mtp` row, and a published EAGLE-3 draft
+    (`--draft PATH`) drafts the macspec rows; at T=0 each answers what plain decoding does.
+    Tiny random weights: the rows show the mechanism, not speed or acceptance."""
+    from support.drafter_models import make_eagle3_draft, make_eagle_target, make_mtp_checkpoint
+
+    from macspec.models.convert import convert
+
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path / "home"))
+    src = make_mtp_checkpoint(tmp_path / "src", "deepseek_v3", count=2, seed=3)
+    target = convert(str(src), output="mtp-target", dtype="float32")
+    kw = dict(kinds="chat", per_kind=1, max_tokens=8, temperature="0", num_draft="2")
+    kw |= dict(repeats=1, quiet=True, charts=False, output=tmp_path / "out")
+    got = bm.bench(str(target), methods="macspec_plain,macspec_mtp", **kw)
+    texts = {r["method"]: r["text"] for r in got["runs"]}
+    assert texts["macspec_mtp"] == texts["macspec_plain"]
+    assert [r["label"] for r in got["summary"] if r["kind"] == "all"][1] == "macspec mtp K=2"
+    assert sum(r["drafted"] for r in got["runs"] if r["method"] == "macspec_mtp") > 0
+
+    eagle_target = make_eagle_target(tmp_path / "eagle-target", seed=0)
+    draft = make_eagle3_draft(tmp_path / "eagle3", eagle_target, "speculators", seed=1)
+    got = bm.bench(str(eagle_target), str(draft), methods="macspec_plain,macspec,macspec_mtp", **kw)
+    texts = {r["method"]: r["text"] for r in got["runs"]}
+    assert texts["macspec"] == texts["macspec_plain"]
+    assert sum(r["drafted"] for r in got["runs"] if r["method"] == "macspec") > 0
+    assert {s["method"] for s in got["skipped"]} == {"macspec_mtp"}  # no heads on this target

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -13,6 +14,7 @@ import mlx.core as mx
 from ..core.policy import COPY_FACTOR
 from ..cpu import kernels
 from ..errors import OptionError
+from ..models import mtp
 from ..pair import load
 from .bench_llamacpp import LLAMACPP
 from .prompts import KINDS, Prompt, builtin_prompts, load_prompts
@@ -24,12 +26,13 @@ METHODS = (
     "macspec_tree",
     "macspec_adaptive",
     "macspec_ngram",
+    "macspec_mtp",
     "macspec_plain",
     *LLAMACPP,
 )
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in LLAMACPP)  # llama.cpp's: opt-in, a peer
 _NEEDS_DRAFT = ("mlx_lm_spec", "macspec", "macspec_tree", "macspec_adaptive")
-_PER_K = ("mlx_lm_spec", "macspec", "macspec_ngram", "llamacpp_draft")
+_PER_K = ("mlx_lm_spec", "macspec", "macspec_ngram", "macspec_mtp", "llamacpp_draft")
 MLX_LM = ("mlx_lm", "mlx_lm_spec")
 # mlx-lm's stock models are the reference where they run at a usable speed (its 4-bit products
 # on a CPU can take minutes a prompt): past this many seconds a prompt its rows are opt-in.
@@ -51,6 +54,7 @@ class Method:
             "macspec_tree": "macspec tree",
             "macspec_adaptive": "macspec adaptive",
             "macspec_ngram": "macspec n-gram",
+            "macspec_mtp": "macspec mtp",
             "macspec_plain": "macspec plain",
             "llamacpp_plain": "llama.cpp plain",
             "llamacpp_draft": "llama.cpp draft",
@@ -127,6 +131,8 @@ def load_pairs(target: str | None, draft: str | None, methods: list[str]) -> dic
         pairs["default"] = load(target, draft, measure=False)
     if "macspec_ngram" in methods:
         pairs["ngram"] = load(str(pairs["model"].target_path), drafter="ngram", measure=False)
+    if "macspec_mtp" in methods and mtp.summary(Path(pairs["model"].target_path)) is not None:
+        pairs["mtp"] = load(str(pairs["model"].target_path), drafter="mtp", measure=False)
     return pairs
 
 
@@ -191,6 +197,10 @@ def plan_methods(
         why["macspec_tree"] = "no draft model loaded (use --draft)"
     if "default" in pairs and not _has_drafter(pairs["default"]):
         why["macspec_adaptive"] = "no draft model loaded (use --draft)"
+    if "mtp" not in pairs:
+        why["macspec_mtp"] = (
+            "the target carries no MTP heads (`macspec convert` keeps a model's own)"
+        )
     plan: list[Method] = []
     skipped: list[dict[str, str]] = []
     for name in methods:

@@ -23,6 +23,7 @@ _OPTIONS: dict[str, dict[str, Any]] = {
     "macspec_tree": {"adaptive": False},
     "macspec_adaptive": {},
     "macspec_ngram": {},
+    "macspec_mtp": {"adaptive": False},  # fixed K, as "macspec": the heads at each K
     "macspec_plain": {"speculative": False},
 }
 
@@ -31,7 +32,8 @@ class Runner:
     """Holds the loaded pairs and runs one method on one prompt.
 
     `pairs`: "model" (the draft model alone: mlx-lm's methods, macspec fixed K and plain),
-    "default" (macspec's own default drafting: adaptive K), "ngram" (no draft model)."""
+    "default" (macspec's own default drafting: adaptive K), "ngram" (no draft model), "mtp" (the
+    target's own MTP heads)."""
 
     def __init__(self, pairs: dict[str, Any], max_tokens: int):
         self.pairs = pairs
@@ -41,7 +43,9 @@ class Runner:
 
     def pair_for(self, method: str) -> Any:
         return self.pairs[
-            {"macspec_adaptive": "default", "macspec_ngram": "ngram"}.get(method, "model")
+            {"macspec_adaptive": "default", "macspec_ngram": "ngram", "macspec_mtp": "mtp"}.get(
+                method, "model"
+            )
         ]
 
     def run(
