@@ -50,15 +50,22 @@ def ask_all(url, pair, requests, max_tokens=48):
         return list(pool.map(ask, requests))
 
 
-def test_four_clients_in_one_pass_get_what_each_gets_alone(pair):
-    alone = [
-        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=48, **o).text
-        for t, o in REQUESTS
+def alone(pair, requests, max_tokens):
+    """What each (text, generate options) request gets from `macspec.generate` alone."""
+    return [
+        macspec.generate(
+            pair, messages=[{"role": "user", "content": t}], max_tokens=max_tokens, **o
+        ).text
+        for t, o in requests
     ]
+
+
+def test_four_clients_in_one_pass_get_what_each_gets_alone(pair):
+    want = alone(pair, REQUESTS, 48)
     with serving(pair, parallel=4) as url:
         together = ask_all(url, pair, REQUESTS)
         health = httpx.get(url + "/health").json()
-    assert together == alone
+    assert together == want
     assert health["batched"] is True and "batch_reason" not in health
     assert health["shared_passes"] > 0 and health["rows_per_shared_pass"] > 1
     assert health["requests_taking_turns"] == 0
@@ -68,11 +75,7 @@ def test_taking_turns_gives_the_same_answers_and_health_says_why(pair):
     with serving(pair, parallel=4, batch=False) as url:
         together = ask_all(url, pair, REQUESTS[:2], max_tokens=16)
         health = httpx.get(url + "/health").json()
-    alone = [
-        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=16, **o).text
-        for t, o in REQUESTS[:2]
-    ]
-    assert together == alone
+    assert together == alone(pair, REQUESTS[:2], 16)
     assert health["batched"] is False and "--no-batch" in health["batch_reason"]
     assert health["shared_passes"] == 0
 
@@ -80,6 +83,9 @@ def test_taking_turns_gives_the_same_answers_and_health_says_why(pair):
 def test_constrained_requests_take_turns():
     assert alone_reason(GenerationOptions.from_kwargs(json_schema={"type": "object"})) == (
         "constrained decoding takes turns"
+    )
+    assert alone_reason(GenerationOptions.from_kwargs(top_logprobs=2)) == (
+        "log probabilities take turns"
     )
     assert alone_reason(GenerationOptions.from_kwargs()) == ""
 
@@ -91,11 +97,7 @@ def test_a_pair_that_cannot_share_takes_turns(pair, monkeypatch):
         got = ask_all(url, pair, REQUESTS[:2], max_tokens=8)
         health = httpx.get(url + "/health").json()
     monkeypatch.undo()
-    want = [
-        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=8, **o).text
-        for t, o in REQUESTS[:2]
-    ]
-    assert got == want
+    assert got == alone(pair, REQUESTS[:2], 8)
     assert health["batched"] is False and "window" in health["batch_reason"]
     assert health["requests_taking_turns"] == 2
 
@@ -114,9 +116,6 @@ def test_constrained_and_logprob_requests_take_turns_beside_a_batch(pair):
         {"grammar": grammar, "temperature": 0.0},
         {"top_logprobs": 2, "temperature": 0.0},
     ]
-    alone = [
-        macspec.generate(pair, messages=[{"role": "user", "content": t}], max_tokens=24, **o).text
-        for (t, _), o in zip(requests, options, strict=True)
-    ]
-    assert together == alone and together[2].startswith("the ")
+    want = alone(pair, [(t, o) for (t, _), o in zip(requests, options, strict=True)], 24)
+    assert together == want and together[2].startswith("the ")
     assert health["batched"] is True and health["requests_taking_turns"] == 2
