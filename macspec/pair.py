@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -234,6 +234,38 @@ def load(
     if pair.drafter_factory is not None and group is None and measure:
         _measure(pair)
     return pair
+
+
+def share(pair: Pair, drafter: str | None) -> Pair:
+    """Another pair over `pair`'s loaded models, with no second copy of their weights:
+    `drafter` None puts an n-gram copy in front of `pair`'s own draft, "ngram" or "mtp"
+    drafts without the draft. Its own timing, observed times, costs and prompt cache."""
+    _check_drafter(pair.target_path, None, drafter)
+    if drafter is None and "+" in (pair.drafter_kind or ""):
+        raise OptionError(f"{pair.drafter_kind} already has an n-gram copy in front of its draft")
+    new = replace(
+        pair,
+        timing=Timing(),
+        observations=Observations(),
+        costs=None,
+        calibration_time=0.0,
+        prompt_cache=prompt_cache(switches.PROMPT_CACHE_MB.value()) if pair.group is None else None,
+    )
+    if drafter is None and pair.draft_path is None:
+        return new  # as load() without a draft: nothing to draft with
+    if drafter is None:
+        make = pair.drafter_factory
+        new.drafter_kind = f"{pair.drafter_kind}+ngram"
+        new.drafter_factory = lambda adaptive: HybridDrafter(
+            make(adaptive), NgramDrafter(stop_ids=_special_ids(new))
+        )
+        return new
+    new.draft, new.draft_path, new.draft_cache_kinds = None, None, {}
+    rows = _embedding_rows(pair.target)
+    vocab = len(pair.tokenizer._tokenizer)
+    new.vocab_size = min(rows, vocab)
+    _attach_drafter(new, None, drafter, rows, vocab)
+    return new
 
 
 def _measure(pair: Pair) -> None:

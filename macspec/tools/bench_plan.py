@@ -15,7 +15,7 @@ from ..core.policy import COPY_FACTOR
 from ..cpu import kernels
 from ..errors import OptionError
 from ..models import mtp
-from ..pair import load
+from ..pair import load, share
 from .bench_llamacpp import LLAMACPP
 from .prompts import KINDS, Prompt, builtin_prompts, load_prompts
 
@@ -127,12 +127,13 @@ def load_pairs(target: str | None, draft: str | None, methods: list[str]) -> dic
     # drafter="model" needs a draft model: the default pair's, or the one given.
     drafter = "model" if draft is not None or target is None else None
     pairs = {"model": load(target, draft, drafter=drafter, measure=False)}
+    # The other pairs share the loaded models: one copy of the weights in memory, not three.
     if "macspec_adaptive" in methods:
-        pairs["default"] = load(target, draft, measure=False)
+        pairs["default"] = share(pairs["model"], None)
     if "macspec_ngram" in methods:
-        pairs["ngram"] = load(str(pairs["model"].target_path), drafter="ngram", measure=False)
+        pairs["ngram"] = share(pairs["model"], "ngram")
     if "macspec_mtp" in methods and mtp.summary(Path(pairs["model"].target_path)) is not None:
-        pairs["mtp"] = load(str(pairs["model"].target_path), drafter="mtp", measure=False)
+        pairs["mtp"] = share(pairs["model"], "mtp")
     return pairs
 
 
