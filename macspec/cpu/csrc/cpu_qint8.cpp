@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "common.h"
@@ -292,16 +293,29 @@ void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
 
 }  // namespace
 
-void q_int8_products(const QProduct& p) {
-  QuantizedX xq;
-  quantize_x(p, xq);
-  const int rows = chunk_rows(p.N, p.K * p.bits / 8);
-  Pool::get().run((p.N + rows - 1) / rows, [&](int c) {
-    const int n0 = c * rows, n1 = std::min(p.N, (c + 1) * rows);
-    switch (p.type) {
-      case ScaleType::f32: q8_chunk_bits<ScaleType::f32>(p, xq, n0, n1); break;
-      case ScaleType::f16: q8_chunk_bits<ScaleType::f16>(p, xq, n0, n1); break;
-      default: q8_chunk_bits<ScaleType::bf16>(p, xq, n0, n1); break;
+void q_int8_products(const QProduct* ps, int count) {
+  if (count < 1 || count > MAX_JOINED) {
+    throw std::invalid_argument("[macspec products] 1 to 4 quantized products in one job");
+  }
+  QuantizedX xqs[MAX_JOINED];
+  const QuantizedX* xq[MAX_JOINED];
+  int N[MAX_JOINED], row_bytes[MAX_JOINED];
+  for (int j = 0; j < count; j++) {
+    const QProduct& p = ps[j];
+    if (j > 0 && same_x(ps[j - 1], p)) {
+      xq[j] = xq[j - 1];
+    } else {
+      quantize_x(p, xqs[j]);
+      xq[j] = &xqs[j];
+    }
+    N[j] = p.N;
+    row_bytes[j] = p.K * p.bits / 8;
+  }
+  run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
+    switch (ps[j].type) {
+      case ScaleType::f32: q8_chunk_bits<ScaleType::f32>(ps[j], *xq[j], n0, n1); break;
+      case ScaleType::f16: q8_chunk_bits<ScaleType::f16>(ps[j], *xq[j], n0, n1); break;
+      default: q8_chunk_bits<ScaleType::bf16>(ps[j], *xq[j], n0, n1); break;
     }
   });
 }
@@ -312,8 +326,8 @@ const char* int8_isa() {
   return nullptr;
 }
 
-void q_int8_products(const QProduct& p) {
-  q_float_products(p);
+void q_int8_products(const QProduct* products, int count) {
+  q_float_products(products, count);
 }
 
 #endif
