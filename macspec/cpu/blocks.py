@@ -48,16 +48,16 @@ def _is(module: Any, cls: type) -> bool:
     return getattr(type(module), "_macspec_stock", type(module)) is cls
 
 
-def _layout(products_: tuple) -> tuple[int, int] | str:
+def _layout(linears: tuple) -> tuple[int, int] | str:
     """(bits, group size) of the layer's products, all float32 (32, 0) or all quantized alike as
     the native products take them; else why not."""
-    if all(_is(m, nn.Linear) and m.weight.dtype == mx.float32 for m in products_):
+    if all(_is(m, nn.Linear) and m.weight.dtype == mx.float32 for m in linears):
         return 32, 0
-    if not all(_is(m, nn.QuantizedLinear) and products.quantized_ok(m) for m in products_):
+    if not all(_is(m, nn.QuantizedLinear) and products.quantized_ok(m) for m in linears):
         return "its products are neither all float32 nor all affine 4/8-bit quantized"
-    if len({(m.bits, m.group_size) for m in products_}) > 1:
+    if len({(m.bits, m.group_size) for m in linears}) > 1:
         return "its products are quantized with different bits or group sizes"
-    return products_[0].bits, products_[0].group_size
+    return linears[0].bits, linears[0].group_size
 
 
 def _arrays(m: Any, bits: int) -> tuple:
