@@ -144,6 +144,19 @@ def test_every_row_is_the_same_whatever_the_rows_and_threads(threads, bits, grou
         np.testing.assert_array_equal(_q8(x[:rows], weights, group, bits), alone[:rows])
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("k", [384, 320])  # 320: not a multiple of 128, the transposing kernel
+def test_one_row_by_4bit_g64_weights_is_numpys_and_a_pass_rows(dtype, k):
+    # one row of x has a kernel of its own there (no transposes): the same bits as several rows
+    weights = _weights(37, k, 64, 4, dtype, seed=5)
+    x = mx.random.normal((3, k), key=mx.random.key(6)) * 2
+    rows = _q8(x, weights, 64, 4)
+    for i in range(3):
+        alone = _q8(x[i : i + 1], weights, 64, 4)
+        np.testing.assert_array_equal(alone, reference(x[i : i + 1], *weights, 64, 4))
+        np.testing.assert_array_equal(alone[0], rows[i])
+
+
 def test_a_row_with_inf_or_nan_gives_nan_as_the_float_products_do():
     weights = _weights(20, 64, 32, 4, mx.float32)
     x = mx.random.normal((3, 64), key=mx.random.key(5))

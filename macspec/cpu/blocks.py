@@ -8,13 +8,16 @@ threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` runs the same kern
 order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last add), with the
 cache's update between them left to mlx-lm: the outputs are bit-identical to the single ops'.
 
-Where anything is not the plain case (quantized or biased products besides q/k/v, another
-norm, a quantized cache, a mask that is neither causal nor a token tree's), `block_pass`
-returns None and the layer runs op by op.
+The weights are float32, or MLX's affine 4/8-bit layout as the native products take it, every
+product of the layer alike; each primitive's products of the same input (q/k/v, gate/up) are one
+job of the thread pool. Where anything is not the plain case (biased products besides q/k/v,
+another norm, mixed or other quantizations, a quantized cache, a mask that is neither causal nor
+a token tree's), `block_pass` returns None, the layer runs op by op, and why is logged once.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -24,7 +27,10 @@ import mlx.nn as nn
 from .. import switches
 from . import products
 
+log = logging.getLogger("macspec.cpu")
+
 _enabled = switches.NATIVE_BLOCKS.value()
+_told: set[str] = set()  # the reasons for running op by op, logged once each
 
 
 def enabled() -> bool:
@@ -42,8 +48,20 @@ def _is(module: Any, cls: type) -> bool:
     return getattr(type(module), "_macspec_stock", type(module)) is cls
 
 
-def _float32(linear: Any) -> bool:
-    return _is(linear, nn.Linear) and linear.weight.dtype == mx.float32
+def _layout(linears: tuple) -> tuple[int, int] | str:
+    """(bits, group size) of the layer's products, all float32 (32, 0) or all quantized alike as
+    the native products take them; else why not."""
+    if all(_is(m, nn.Linear) and m.weight.dtype == mx.float32 for m in linears):
+        return 32, 0
+    if not all(_is(m, nn.QuantizedLinear) and products.quantized_ok(m) for m in linears):
+        return "its products are neither all float32 nor all affine 4/8-bit quantized"
+    if len({(m.bits, m.group_size) for m in linears}) > 1:
+        return "its products are quantized with different bits or group sizes"
+    return linears[0].bits, linears[0].group_size
+
+
+def _arrays(m: Any, bits: int) -> tuple:
+    return (m.weight,) if bits == 32 else (m.weight, m.scales, m.biases)
 
 
 class _Checked:
@@ -57,9 +75,9 @@ class _Checked:
 
 
 def _weights(layer: nn.Module) -> tuple | None:
-    """The layer's weights in the primitives' order, or None where they are not the plain case.
-    Checked again only when one of its arrays was replaced (read as dict items: cheaper than
-    nn.Module attributes, which count here)."""
+    """The layer's weights in the primitives' order and their layout, or None where they are not
+    the plain case. Checked again only when one of its arrays was replaced (read as dict items:
+    cheaper than nn.Module attributes, which count here)."""
     attn, mlp = layer["self_attn"], layer["mlp"]
     modules = (
         layer["input_layernorm"],
@@ -72,39 +90,45 @@ def _weights(layer: nn.Module) -> tuple | None:
         mlp["up_proj"],
         mlp["down_proj"],
     )
-    arrays = [m.get("weight") for m in modules] + [m.get("bias") for m in modules]
+    arrays = [m.get(name) for m in modules for name in ("weight", "bias", "scales", "biases")]
     checked = getattr(layer, "_macspec_checked", None)
     if checked is None or not all(map(operator.is_, checked.arrays, arrays)):
-        checked = _Checked(arrays, _check(*modules))
+        weights = _check(*modules)
+        if isinstance(weights, str):
+            if weights not in _told:
+                _told.add(weights)
+                log.info("a decoder layer runs op by op, not fused: %s", weights)
+            weights = None
+        checked = _Checked(arrays, weights)
         object.__setattr__(layer, "_macspec_checked", checked)
     return checked.weights
 
 
-def _check(*modules: Any) -> tuple | None:
+def _check(*modules: Any) -> tuple | str:
+    """The weights as block_pass passes them, or why the layer is not the plain case."""
     n1, q, k, v, o, n2, g, u, d = modules
     if not all(_is(n, nn.RMSNorm) and n.weight.dtype == mx.float32 for n in (n1, n2)):
-        return None
-    if not all(_float32(m) and "bias" not in m for m in (o, g, u, d)):
-        return None
-    if not all(_float32(m) for m in (q, k, v)):
-        return None
+        return "its norms are not float32 RMS norms"
+    if any("bias" in m for m in (o, g, u, d)):
+        return "its output or MLP products have biases"
+    layout = _layout((q, k, v, o, g, u, d))
+    if isinstance(layout, str):
+        return layout
     with_bias = ["bias" in m for m in (q, k, v)]
     if any(with_bias) and not all(with_bias):
-        return None
+        return "some of its q/k/v products have biases, not all"
     biases = [q.bias, k.bias, v.bias] if all(with_bias) else None
     if biases is not None and any(b.dtype != mx.float32 for b in biases):
-        return None
+        return "its q/k/v biases are not float32"
+    bits = layout[0]
     return (
         n1.weight,
-        q.weight,
-        k.weight,
-        v.weight,
+        *(_arrays(m, bits) for m in (q, k, v)),
         biases,
-        o.weight,
+        _arrays(o, bits),
         n2.weight,
-        g.weight,
-        u.weight,
-        d.weight,
+        *(_arrays(m, bits) for m in (g, u, d)),
+        layout,
     )
 
 
@@ -127,7 +151,8 @@ def block_pass(
     weights = _weights(layer)
     if weights is None:
         return None
-    w1, wq, wk, wv, biases, wo, w2, wg, wu, wd = weights
+    w1, wq, wk, wv, biases, wo, w2, wg, wu, wd, (bits, group) = weights
+    int8 = products.int8_activations
     attn = layer["self_attn"]
     eps1, eps2 = layer["input_layernorm"].eps, layer["post_attention_layernorm"].eps
     positions, end = tree[1:] if tree is not None else (None, offset + length)
@@ -147,6 +172,9 @@ def block_pass(
         table.traditional,
         biases,
         positions,
+        bits,
+        group,
+        int8,
     )
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
@@ -165,4 +193,7 @@ def block_pass(
         attn.scale,
         causal,
         mask if tree is not None else None,
+        bits,
+        group,
+        int8,
     )

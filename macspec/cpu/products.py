@@ -67,7 +67,8 @@ def _float32(x: mx.array, w: mx.array) -> Any:
     return ext if ext is not None and w.dtype == mx.float32 and _rows(x) <= MAX_ROWS else None
 
 
-def _quantized_ok(m: nn.Module) -> bool:
+def quantized_ok(m: nn.Module) -> bool:
+    """`m`'s weights are in a layout the native products take."""
     return (
         getattr(m, "mode", "affine") == "affine"
         and m.bits in (4, 8)
@@ -102,7 +103,7 @@ def _qlinear(ext: Any, m: nn.Module, x: mx.array) -> mx.array:
 
 def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     ext = _ext(x)
-    if ext is not None and _quantized_ok(self):
+    if ext is not None and quantized_ok(self):
         y = _qlinear(ext, self, x)
         return y + self["bias"] if "bias" in self else y
     return type(self)._macspec_stock.__call__(self, x)
@@ -117,7 +118,7 @@ def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
 
 def quantized_embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     ext = _ext(x)
-    if ext is not None and _quantized_ok(self):
+    if ext is not None and quantized_ok(self):
         return _qlinear(ext, self, x)
     return type(self)._macspec_stock.as_linear(self, x)
 

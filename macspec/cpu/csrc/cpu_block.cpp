@@ -4,8 +4,10 @@
 // the Python thread an allocation and a hand-off to the stream (~19 us here all told), and on a
 // 2-core CPU that thread takes its core from the products: 17 ops a layer become 6.
 //
-// The kernels are the ones the single-op primitives run (cpu_layer.cpp, cpu_attention.cpp,
-// cpu_linear.cpp), in the same order, so the results are bit-identical to theirs.
+// The weights are float32 or MLX's affine 4/8-bit layout, all of a layer's alike. The kernels are
+// the ones the single-op primitives run (cpu_layer.cpp, cpu_attention.cpp, cpu_linear.cpp and the
+// quantized products), in the same order, so the results are bit-identical to theirs; a
+// primitive's products of the same input run as one job of the thread pool.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -18,6 +20,7 @@
 #include "common.h"
 #include "layer.h"
 #include "linear.h"
+#include "quant.h"
 #include "mlx/array.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -25,6 +28,57 @@
 namespace nb = nanobind;
 
 namespace macspec {
+
+// How a block's weight matrices are stored: float32 (one array each; bits 32) or MLX's affine
+// layout (packed weights, scales, biases), and whether the quantized products take int8 x.
+struct Mats {
+  int bits = 32, group = 0;
+  bool int8 = false;
+
+  int arrays() const {
+    return bits == 32 ? 1 : 3;
+  }
+  bool operator==(const Mats&) const = default;
+};
+
+// One product of a primitive: y (M, N) = x (M, K) @ matrix.T.
+struct Job {
+  int matrix;  // which of the primitive's matrices, in input order
+  const float* x;
+  float* y;
+};
+
+// The jobs' products as one job of the pool, each as SmallLinear computes it alone; the
+// matrices' arrays start at inputs[first].
+static void run_products(const Mats& w, const std::vector<mx::array>& in, int first,
+                         const Job* jobs, int count, int M) {
+  if (w.bits == 32) {
+    Product p[MAX_JOINED];
+    for (int j = 0; j < count; j++) {
+      const mx::array& a = in[first + jobs[j].matrix];
+      p[j] = {a.data<float>(), jobs[j].x, jobs[j].y, M, a.shape(0), a.shape(1)};
+    }
+    f32_products(p, count);
+    return;
+  }
+  QProduct q[MAX_JOINED];
+  for (int j = 0; j < count; j++) {
+    const size_t i = first + 3 * jobs[j].matrix;
+    const mx::array& a = in[i];
+    q[j] = {a.data<uint8_t>(), in[i + 1].data<void>(), in[i + 2].data<void>(),
+            scale_type(in[i + 1].dtype()), jobs[j].x, jobs[j].y, M, a.shape(0),
+            a.shape(1) * 32 / w.bits, w.bits, w.group};
+  }
+  if (w.int8) {
+    q_int8_products(q, count);
+  } else {
+    q_float_products(q, count);
+  }
+}
+
+static int cols(const mx::array& w, const Mats& m) {  // K of a matrix stored as w
+  return m.bits == 32 ? w.shape(1) : w.shape(1) * 32 / m.bits;
+}
 
 static void check_weights(const std::vector<mx::array>& inputs, size_t from, size_t to) {
   for (size_t i = from; i < to && i < inputs.size(); i++) {
@@ -42,46 +96,46 @@ static void add_rows(float* y, const float* b, int rows, int N) {  // y += b, ro
   }
 }
 
-// (h, norm weight, Wq, Wk, Wv, cos, sin[, bq, bk, bv][, positions]) -> q, k, v as rope_heads
+// (h, norm weight, cos, sin, Wq, Wk, Wv[, bq, bk, bv][, positions]) -> q, k, v as rope_heads
 // gives them: (1, heads, L, D) with RoPE applied to q and k.
 class QkvRope : public LayerOp {
  public:
-  QkvRope(mx::Stream s, float eps, int heads, int kv_heads, int offset, bool traditional,
+  static constexpr int W0 = 4;  // the first weight array
+
+  QkvRope(mx::Stream s, Mats w, float eps, int heads, int kv_heads, int offset, bool traditional,
           bool bias, bool positions)
-      : LayerOp(s), eps_(eps), heads_(heads), kv_heads_(kv_heads), offset_(offset),
+      : LayerOp(s), w_(w), eps_(eps), heads_(heads), kv_heads_(kv_heads), offset_(offset),
         traditional_(traditional), bias_(bias), positions_(positions) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    check_weights(inputs, 1, 5);
+    check_weights(inputs, W0, W0 + 3 * w_.arrays());
     auto& encoder = start(stream(), inputs, outputs);
     encoder.dispatch([in = inputs, qo = outputs[0].data<float>(), ko = outputs[1].data<float>(),
-                      vo = outputs[2].data<float>(), eps = eps_, H = heads_, KVH = kv_heads_,
-                      offset = offset_, traditional = traditional_, bias = bias_,
-                      has_positions = positions_]() {
+                      vo = outputs[2].data<float>(), w = w_, eps = eps_, H = heads_,
+                      KVH = kv_heads_, offset = offset_, traditional = traditional_,
+                      bias = bias_, has_positions = positions_]() {
       std::vector<float> hs, ws, cs, ss;
-      const int L = in[0].shape(1), D = in[0].shape(2);
-      const int Nq = in[2].shape(0), Nk = in[3].shape(0);
+      const int L = in[0].shape(1), D = in[0].shape(2), B0 = W0 + 3 * w.arrays();
+      const int Nq = in[W0].shape(0), Nk = in[W0 + w.arrays()].shape(0);
       std::vector<float> buf((size_t)L * (D + Nq + 2 * Nk));
       float *normed = buf.data(), *q = normed + (size_t)L * D, *k = q + (size_t)L * Nq,
             *v = k + (size_t)L * Nk;
       norm_rows(rows_of(in[0], hs), rows_of(in[1], ws), normed, L, D, eps);
-      const Product p[3] = {{in[2].data<float>(), normed, q, L, Nq, D},
-                            {in[3].data<float>(), normed, k, L, Nk, D},
-                            {in[4].data<float>(), normed, v, L, Nk, D}};
-      f32_products(p, 3);
+      const Job jobs[3] = {{0, normed, q}, {1, normed, k}, {2, normed, v}};
+      run_products(w, in, W0, jobs, 3, L);
       if (bias) {
-        add_rows(q, in[7].data<float>(), L, Nq);
-        add_rows(k, in[8].data<float>(), L, Nk);
-        add_rows(v, in[9].data<float>(), L, Nk);
+        add_rows(q, in[B0].data<float>(), L, Nq);
+        add_rows(k, in[B0 + 1].data<float>(), L, Nk);
+        add_rows(v, in[B0 + 2].data<float>(), L, Nk);
       }
       const int32_t* positions = has_positions ? in.back().data<int32_t>() : nullptr;
-      rope_rows(q, k, v, rows_of(in[5], cs), rows_of(in[6], ss), in[5].shape(1), positions,
+      rope_rows(q, k, v, rows_of(in[2], cs), rows_of(in[3], ss), in[2].shape(1), positions,
                 offset, L, H, KVH, Nq / H, traditional, qo, ko, vo);
     });
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const int L = inputs[0].shape(1), D = inputs[2].shape(0) / heads_;
+    const int L = inputs[0].shape(1), D = inputs[W0].shape(0) / heads_;
     return {{1, heads_, L, D}, {1, kv_heads_, L, D}, {1, kv_heads_, L, D}};
   }
   const char* name() const override {
@@ -89,49 +143,53 @@ class QkvRope : public LayerOp {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const QkvRope&>(other);
-    return eps_ == o.eps_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
+    return w_ == o.w_ && eps_ == o.eps_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
         offset_ == o.offset_ && traditional_ == o.traditional_ && bias_ == o.bias_ &&
         positions_ == o.positions_;
   }
 
  private:
+  Mats w_;
   float eps_;
   int heads_, kv_heads_, offset_;
   bool traditional_, bias_, positions_;
 };
 
-// (h, q, k, v, Wo, norm weight, Wg, Wu, Wd[, mask]) -> h + o + mlp(norm(h + o)), o being the
+// (h, q, k, v, norm weight, Wo, Wg, Wu, Wd[, mask]) -> h + o + mlp(norm(h + o)), o being the
 // attention's output projected (attend_rows; k and v are the cache's, read in place).
 class AttnMlp : public LayerOp {
  public:
-  AttnMlp(mx::Stream s, float scale, bool causal, float eps, bool mask)
-      : LayerOp(s), scale_(scale), causal_(causal), eps_(eps), mask_(mask) {}
+  static constexpr int W0 = 5;
+
+  AttnMlp(mx::Stream s, Mats w, float scale, bool causal, float eps, bool mask)
+      : LayerOp(s), w_(w), scale_(scale), causal_(causal), eps_(eps), mask_(mask) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    check_weights(inputs, 4, 9);
+    check_weights(inputs, W0, W0 + 4 * w_.arrays());
     auto& encoder = start(stream(), inputs, outputs);
-    encoder.dispatch([in = inputs, y = outputs[0].data<float>(), scale = scale_, causal = causal_,
-                      eps = eps_, has_mask = mask_]() {
+    encoder.dispatch([in = inputs, y = outputs[0].data<float>(), w = w_, scale = scale_,
+                      causal = causal_, eps = eps_, has_mask = mask_]() {
       std::vector<float> hs, ws;
       const float* h = rows_of(in[0], hs);
-      const int L = in[0].shape(1), D = in[0].shape(2), A = in[4].shape(1), F = in[6].shape(0);
+      const int L = in[0].shape(1), D = in[0].shape(2), A = cols(in[W0], w),
+                F = in[W0 + w.arrays()].shape(0);
       std::vector<float> buf((size_t)L * (A + 3 * D + 3 * F));
       float *a = buf.data(), *o = a + (size_t)L * A, *h1 = o + (size_t)L * D,
             *n = h1 + (size_t)L * D, *g = n + (size_t)L * D, *u = g + (size_t)L * F,
             *s = u + (size_t)L * F;
-      attend_rows(in[1], in[2], in[3], has_mask ? in[9].data<bool>() : nullptr, scale, causal, a);
-      const Product po{in[4].data<float>(), a, o, L, D, A};
-      f32_products(&po, 1);
+      attend_rows(in[1], in[2], in[3], has_mask ? in.back().data<bool>() : nullptr, scale,
+                  causal, a);
+      const Job jo{0, a, o};
+      run_products(w, in, W0, &jo, 1, L);
       for (size_t i = 0; i < (size_t)L * D; i++) {
         h1[i] = h[i] + o[i];
       }
-      norm_rows(h1, rows_of(in[5], ws), n, L, D, eps);
-      const Product gu[2] = {{in[6].data<float>(), n, g, L, F, D},
-                             {in[7].data<float>(), n, u, L, F, D}};
-      f32_products(gu, 2);
+      norm_rows(h1, rows_of(in[4], ws), n, L, D, eps);
+      const Job gu[2] = {{1, n, g}, {2, n, u}};
+      run_products(w, in, W0, gu, 2, L);
       swiglu_n(g, u, s, (size_t)L * F);
-      const Product pd{in[8].data<float>(), s, o, L, D, F};  // o is free again
-      f32_products(&pd, 1);
+      const Job jd{3, s, o};  // o is free again
+      run_products(w, in, W0, &jd, 1, L);
       for (size_t i = 0; i < (size_t)L * D; i++) {
         y[i] = h1[i] + o[i];
       }
@@ -146,49 +204,67 @@ class AttnMlp : public LayerOp {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const AttnMlp&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && eps_ == o.eps_ && mask_ == o.mask_;
+    return w_ == o.w_ && scale_ == o.scale_ && causal_ == o.causal_ && eps_ == o.eps_ &&
+        mask_ == o.mask_;
   }
 
  private:
+  Mats w_;
   float scale_;
   bool causal_;
   float eps_;
   bool mask_;
 };
 
-static void check_matrix(const mx::array& w, int N, int K, const char* what) {
-  check_float32(w, what);
-  if (w.ndim() != 2 || (N >= 0 && w.shape(0) != N) || w.shape(1) != K) {
-    throw std::invalid_argument(std::string("[macspec block] ") + what + " of the wrong shape");
-  }
+static std::invalid_argument refused(const char* what, const char* why) {
+  return std::invalid_argument(std::string("[macspec block] ") + what + why);
 }
 
-std::vector<mx::array> qkv_rope(
-    const mx::array& h,
-    const mx::array& norm,
-    float eps,
-    const mx::array& wq,
-    const mx::array& wk,
-    const mx::array& wv,
-    const mx::array& cos,
-    const mx::array& sin,
-    int heads,
-    int kv_heads,
-    int offset,
-    bool traditional,
-    std::optional<std::vector<mx::array>> biases,
-    std::optional<mx::array> positions) {
+static Mats layout(int bits, int group_size, bool int8) {
+  if (bits == 32) {
+    return {};
+  }
+  if ((bits != 4 && bits != 8) || (group_size != 32 && group_size != 64 && group_size != 128)) {
+    throw refused("weights", " of 32 bits, or 4 or 8 in groups of 32, 64 or 128");
+  }
+  return {bits, group_size, int8 && int8_isa() != nullptr};
+}
+
+// A matrix of N (any where N < 0) rows and K columns, as `w` stores it; returns its rows.
+static int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, int K,
+                        const char* what) {
+  if (m.size() != (size_t)w.arrays()) {
+    throw refused(what, w.bits == 32 ? ": one array" : ": weights, scales and biases");
+  }
+  const mx::array& a = m[0];
+  if (w.bits == 32) {
+    check_float32(a, what);
+  } else if (a.dtype() != mx::uint32 || m[1].ndim() != 2 || m[2].shape() != m[1].shape() ||
+             m[2].dtype() != m[1].dtype() ||
+             !(m[1].dtype() == mx::float32 || m[1].dtype() == mx::float16 ||
+               m[1].dtype() == mx::bfloat16)) {
+    throw refused(what, ": uint32 weights, and scales and biases of one type and shape");
+  }
+  if (a.ndim() != 2 || (N >= 0 && a.shape(0) != N) || cols(a, w) != K ||
+      (w.bits != 32 && (K % w.group || m[1].shape(0) != a.shape(0) ||
+                        m[1].shape(1) != K / w.group))) {
+    throw refused(what, " of the wrong shape");
+  }
+  return a.shape(0);
+}
+
+static void append(std::vector<mx::array>& inputs, const std::vector<mx::array>& m) {
+  inputs.insert(inputs.end(), m.begin(), m.end());
+}
+
+static void check_rope(const mx::array& h, const mx::array& norm, const mx::array& cos,
+                       const mx::array& sin, int heads, int kv_heads, int Nq) {
   check_float32(h, "h");
   if (h.ndim() != 3 || h.shape(0) != 1 || heads <= 0 || kv_heads <= 0) {
     throw std::invalid_argument("[macspec qkv_rope] h of shape (1, L, D)");
   }
-  const int L = h.shape(1), D = h.shape(2);
-  check_matrix(wq, -1, D, "Wq");
-  const int Nq = wq.shape(0);
-  check_matrix(wk, Nq / heads * kv_heads, D, "Wk");
-  check_matrix(wv, Nq / heads * kv_heads, D, "Wv");
   check_float32(norm, "norm weight");
-  if (Nq % heads || norm.ndim() != 1 || norm.shape(0) != D) {
+  if (Nq % heads || norm.ndim() != 1 || norm.shape(0) != h.shape(2)) {
     throw std::invalid_argument("[macspec qkv_rope] norm weight (D,) and Wq (heads * d, D)");
   }
   check_float32(cos, "cos");
@@ -196,20 +272,57 @@ std::vector<mx::array> qkv_rope(
   if (cos.ndim() != 2 || cos.shape() != sin.shape() || 2 * cos.shape(1) > Nq / heads) {
     throw std::invalid_argument("[macspec qkv_rope] cos/sin tables (positions, dims / 2)");
   }
-  std::vector<mx::array> inputs = {h, norm, wq, wk, wv, cos, sin};
+}
+
+static void append_biases(std::vector<mx::array>& inputs, const std::vector<mx::array>& biases,
+                          int Nq, int Nk) {
+  if (biases.size() != 3) {
+    throw std::invalid_argument("[macspec qkv_rope] three biases (q, k, v)");
+  }
+  const int sizes[3] = {Nq, Nk, Nk};
+  for (int i = 0; i < 3; i++) {
+    const auto& b = biases[i];
+    check_float32(b, "bias");
+    if (b.ndim() != 1 || b.shape(0) != sizes[i]) {
+      throw std::invalid_argument("[macspec qkv_rope] a bias of the wrong shape");
+    }
+    inputs.push_back(mx::contiguous(b));
+  }
+}
+
+std::vector<mx::array> qkv_rope(
+    const mx::array& h,
+    const mx::array& norm,
+    float eps,
+    const std::vector<mx::array>& wq,
+    const std::vector<mx::array>& wk,
+    const std::vector<mx::array>& wv,
+    const mx::array& cos,
+    const mx::array& sin,
+    int heads,
+    int kv_heads,
+    int offset,
+    bool traditional,
+    std::optional<std::vector<mx::array>> biases,
+    std::optional<mx::array> positions,
+    int bits,
+    int group_size,
+    bool int8) {
+  const Mats w = layout(bits, group_size, int8);
+  if (h.ndim() != 3) {
+    throw std::invalid_argument("[macspec qkv_rope] h of shape (1, L, D)");
+  }
+  const int L = h.shape(1), D = h.shape(2);
+  const int Nq = check_matrix(wq, w, -1, D, "Wq");
+  check_rope(h, norm, cos, sin, heads, kv_heads, Nq);
+  const int Nk = check_matrix(wk, w, Nq / heads * kv_heads, D, "Wk");
+  check_matrix(wv, w, Nk, D, "Wv");
+  std::vector<mx::array> inputs = {h, norm, cos, sin};
+  for (auto* m : {&wq, &wk, &wv}) {
+    append(inputs, *m);
+  }
   if (biases) {
-    if (biases->size() != 3) {
-      throw std::invalid_argument("[macspec qkv_rope] three biases (q, k, v)");
-    }
-    const int sizes[3] = {Nq, wk.shape(0), wk.shape(0)};
-    for (int i = 0; i < 3; i++) {
-      const auto& b = (*biases)[i];
-      check_float32(b, "bias");
-      if (b.ndim() != 1 || b.shape(0) != sizes[i]) {
-        throw std::invalid_argument("[macspec qkv_rope] a bias of the wrong shape");
-      }
-      inputs.push_back(mx::contiguous(b));
-    }
+    append_biases(inputs, *biases, Nq, Nk);
   }
   if (positions) {
     if (positions->dtype() != mx::int32 || positions->size() != (size_t)L) {
@@ -223,7 +336,7 @@ std::vector<mx::array> qkv_rope(
   return mx::array::make_arrays(
       {{1, heads, L, d}, {1, kv_heads, L, d}, {1, kv_heads, L, d}},
       {mx::float32, mx::float32, mx::float32},
-      std::make_shared<QkvRope>(cpu_stream(), eps, heads, kv_heads, offset, traditional,
+      std::make_shared<QkvRope>(cpu_stream(), w, eps, heads, kv_heads, offset, traditional,
                                 biases.has_value(), positions.has_value()),
       inputs);
 }
@@ -233,15 +346,19 @@ mx::array attn_mlp(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
-    const mx::array& wo,
+    const std::vector<mx::array>& wo,
     const mx::array& norm,
     float eps,
-    const mx::array& wg,
-    const mx::array& wu,
-    const mx::array& wd,
+    const std::vector<mx::array>& wg,
+    const std::vector<mx::array>& wu,
+    const std::vector<mx::array>& wd,
     float scale,
     bool causal,
-    std::optional<mx::array> mask) {
+    std::optional<mx::array> mask,
+    int bits,
+    int group_size,
+    bool int8) {
+  const Mats w = layout(bits, group_size, int8);
   for (auto* a : {&h, &q, &k, &v, &norm}) {
     check_float32(*a, "h, q, k, v and norm weight");
   }
@@ -251,15 +368,18 @@ mx::array attn_mlp(
     throw std::invalid_argument(
         "[macspec attn_mlp] h (1, L, D), q (1, H, L, d) and k, v (1, KVH, T >= L, d)");
   }
-  const int D = h.shape(2), F = wg.shape(0);
-  check_matrix(wo, D, q.shape(1) * q.shape(3), "Wo");
-  check_matrix(wg, -1, D, "Wg");
-  check_matrix(wu, F, D, "Wu");
-  check_matrix(wd, D, F, "Wd");
+  const int D = h.shape(2);
+  check_matrix(wo, w, D, q.shape(1) * q.shape(3), "Wo");
+  const int F = check_matrix(wg, w, -1, D, "Wg");
+  check_matrix(wu, w, F, D, "Wu");
+  check_matrix(wd, w, D, F, "Wd");
   if (norm.ndim() != 1 || norm.shape(0) != D) {
     throw std::invalid_argument("[macspec attn_mlp] norm weight of shape (D,)");
   }
-  std::vector<mx::array> inputs = {h, q, k, v, wo, norm, wg, wu, wd};
+  std::vector<mx::array> inputs = {h, q, k, v, norm};
+  for (auto* m : {&wo, &wg, &wu, &wd}) {
+    append(inputs, *m);
+  }
   if (mask) {
     if (mask->dtype() != mx::bool_ || mask->size() != (size_t)q.shape(2) * k.shape(2)) {
       throw std::invalid_argument("[macspec attn_mlp] a boolean mask of shape (L, T)");
@@ -269,7 +389,7 @@ mx::array attn_mlp(
   return mx::array::make_arrays(
       {h.shape()},
       {mx::float32},
-      std::make_shared<AttnMlp>(cpu_stream(), scale, causal, eps, mask.has_value()),
+      std::make_shared<AttnMlp>(cpu_stream(), w, scale, causal, eps, mask.has_value()),
       inputs)[0];
 }
 
@@ -290,7 +410,10 @@ void bind_block(nb::module_& m) {
       nb::arg("offset"),
       nb::arg("traditional"),
       nb::arg("biases") = nb::none(),
-      nb::arg("positions") = nb::none());
+      nb::arg("positions") = nb::none(),
+      nb::arg("bits") = 32,
+      nb::arg("group_size") = 0,
+      nb::arg("int8") = false);
   m.def(
       "attn_mlp",
       &attn_mlp,
@@ -306,7 +429,10 @@ void bind_block(nb::module_& m) {
       nb::arg("wd"),
       nb::arg("scale"),
       nb::arg("causal"),
-      nb::arg("mask") = nb::none());
+      nb::arg("mask") = nb::none(),
+      nb::arg("bits") = 32,
+      nb::arg("group_size") = 0,
+      nb::arg("int8") = false);
 }
 
 }  // namespace macspec

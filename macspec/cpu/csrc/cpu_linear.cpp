@@ -135,28 +135,14 @@ static void f32_dispatch(
 }
 
 void f32_products(const Product* products, int count) {
-  if (count < 1 || count > 8) {
-    throw std::invalid_argument("[macspec products] 1 to 8 products in one job");
+  int N[8], row_bytes[8];
+  for (int j = 0; j < count && j < 8; j++) {
+    N[j] = products[j].N;
+    row_bytes[j] = products[j].K * 4;
   }
-  int rows[8], first[9] = {0};
-  for (int j = 0; j < count; j++) {
-    rows[j] = chunk_rows(products[j].N, products[j].K * 4);
-    first[j + 1] = first[j] + (products[j].N + rows[j] - 1) / rows[j];
-  }
-  if (count > 1 && first[count] > 65535) {  // the pool counts chunks in 16 bits
-    for (int j = 0; j < count; j++) {
-      f32_products(products + j, 1);
-    }
-    return;
-  }
-  Pool::get().run(first[count], [&](int c) {
-    int j = 0;
-    while (c >= first[j + 1]) {
-      j++;
-    }
+  run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
     const Product& p = products[j];
-    const int n0 = (c - first[j]) * rows[j];
-    f32_dispatch(p.W, p.x, p.y, p.M, n0, std::min(p.N, n0 + rows[j]), p.N, p.K);
+    f32_dispatch(p.W, p.x, p.y, p.M, n0, n1, p.N, p.K);
   });
 }
 
@@ -192,22 +178,15 @@ class SmallLinear : public mx::UnaryPrimitive {
       });
       return;
     }
-    ScaleType type;
-    switch (inputs[2].dtype()) {
-      case mx::float32: type = ScaleType::f32; break;
-      case mx::float16: type = ScaleType::f16; break;
-      case mx::bfloat16: type = ScaleType::bf16; break;
-      default: throw std::runtime_error("[macspec linear] unsupported scale type");
-    }
     QProduct q{inputs[1].data<uint8_t>(), inputs[2].data<void>(), inputs[3].data<void>(),
-                     type, nullptr, y, M, N, K, bits_, group_size_};
+               scale_type(inputs[2].dtype()), nullptr, y, M, N, K, bits_, group_size_};
     encoder.dispatch([x = inputs[0], q, int8 = int8_ && int8_isa() != nullptr]() mutable {
       std::vector<float> scratch;
       q.x = rows_of(x, scratch);
       if (int8) {
-        q_int8_products(q);
+        q_int8_products(&q, 1);
       } else {
-        q_float_products(q);
+        q_float_products(&q, 1);
       }
     });
   }

@@ -5,6 +5,7 @@
 // Each output y[m, n] is computed in the same order whatever the number of rows and threads.
 
 #include <algorithm>
+#include <stdexcept>
 #include <vector>
 
 #include "common.h"
@@ -142,10 +143,11 @@ static void q_chunk(const QProduct& p, const float* xq, const float* xs, int n0,
 #undef MACSPEC_Q
 }
 
-void q_float_products(const QProduct& p) {
+// x reordered as the unpacking reads it, and its sum over each group.
+static void prepare_x(const QProduct& p, std::vector<float>& xq, std::vector<float>& xs) {
   const int M = p.M, K = p.K, G = p.group, groups = K / G;
-  // x reordered as the unpacking reads it, and its sum over each group.
-  std::vector<float> xq((size_t)M * K), xs((size_t)M * groups);
+  xq.resize((size_t)M * K);
+  xs.resize((size_t)M * groups);
   for (int m = 0; m < M; m++) {
     const float* src = p.x + (size_t)m * K;
     float* dst = xq.data() + (size_t)m * K;
@@ -167,13 +169,28 @@ void q_float_products(const QProduct& p) {
       xs[(size_t)m * groups + g] = s;
     }
   }
-  const int rows = chunk_rows(p.N, K * p.bits / 8);
-  Pool::get().run((p.N + rows - 1) / rows, [&](int c) {
-    const int n0 = c * rows, n1 = std::min(p.N, (c + 1) * rows);
-    switch (p.type) {
-      case ScaleType::f32: q_chunk<ScaleType::f32>(p, xq.data(), xs.data(), n0, n1); break;
-      case ScaleType::f16: q_chunk<ScaleType::f16>(p, xq.data(), xs.data(), n0, n1); break;
-      default: q_chunk<ScaleType::bf16>(p, xq.data(), xs.data(), n0, n1); break;
+}
+
+void q_float_products(const QProduct* ps, int count) {
+  if (count < 1 || count > MAX_JOINED) {
+    throw std::invalid_argument("[macspec products] 1 to 4 quantized products in one job");
+  }
+  std::vector<float> xqs[MAX_JOINED], xss[MAX_JOINED];
+  int from[MAX_JOINED], N[MAX_JOINED], row_bytes[MAX_JOINED];
+  for (int j = 0; j < count; j++) {
+    from[j] = j > 0 && same_x(ps[j - 1], ps[j]) ? from[j - 1] : j;
+    if (from[j] == j) {
+      prepare_x(ps[j], xqs[j], xss[j]);
+    }
+    N[j] = ps[j].N;
+    row_bytes[j] = ps[j].K * ps[j].bits / 8;
+  }
+  run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
+    const float *xq = xqs[from[j]].data(), *xs = xss[from[j]].data();
+    switch (ps[j].type) {
+      case ScaleType::f32: q_chunk<ScaleType::f32>(ps[j], xq, xs, n0, n1); break;
+      case ScaleType::f16: q_chunk<ScaleType::f16>(ps[j], xq, xs, n0, n1); break;
+      default: q_chunk<ScaleType::bf16>(ps[j], xq, xs, n0, n1); break;
     }
   });
 }

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
 #include "common.h"
@@ -281,8 +282,91 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define MACSPEC_Q4_ROW 1
+
+// A[r] lanes 0-7: weight row r's partial sums over one group, lanes 8-15 over the next one; out
+// the two groups' sums, row r in lane r (integer adds: exact, in any order).
+inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
+  __m512i B[8], C[4];
+  for (int k = 0; k < 8; k++) {  // quarter q: rows 2k, 2k + 1, two partial sums each
+    B[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(A[2 * k], A[2 * k + 1]),
+                            _mm512_unpackhi_epi32(A[2 * k], A[2 * k + 1]));
+  }
+  for (int j = 0; j < 4; j++) {  // quarter q: rows 4j..4j+3 over the quarter's lanes
+    C[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(B[2 * j], B[2 * j + 1]),
+                            _mm512_unpackhi_epi64(B[2 * j], B[2 * j + 1]));
+  }
+  const __m512i E01 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[0], C[1], 0x88),
+                                       _mm512_shuffle_i32x4(C[0], C[1], 0xdd));
+  const __m512i E23 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[2], C[3], 0x88),
+                                       _mm512_shuffle_i32x4(C[2], C[3], 0xdd));
+  first = _mm512_shuffle_i32x4(E01, E23, 0x88);
+  second = _mm512_shuffle_i32x4(E01, E23, 0xdd);
+}
+
+// One row of x by 4-bit weights in groups of 64 (K a multiple of 128): each weight row read as
+// it lies, 64 bytes (two groups) a vector, its lanes summed afterwards (sum_lanes), instead of
+// transposing 16 rows' bytes first, which bounds q8_chunk at one row of x. The integer sums are
+// q8_chunk's exact numbers and the float steps the same, lane by lane: the same bits.
+template <ScaleType T>
+void q4_row_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  const int groups = p.K / 64;
+  const size_t row_bytes = (size_t)p.K / 2;
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i low = _mm512_set1_epi8(15);
+  alignas(64) float scale[16 * 16], bias[16 * 16];
+  for (int nb = n0; nb < n1; nb += 16) {
+    const int rows = std::min(16, n1 - nb);
+    const uint8_t* rp[16];
+    size_t srow[16];
+    for (int r = 0; r < 16; r++) {  // lanes past the last row repeat it, and are not stored
+      srow[r] = (size_t)(nb + std::min(r, rows - 1));
+      rp[r] = p.W + srow[r] * row_bytes;
+    }
+    vf f{_mm512_setzero_ps()};
+    for (int g = 0; g < groups; g += 2) {
+      if (g % 16 == 0) {
+        scale_tile<T>(p.scales, srow, groups, g, scale);
+        scale_tile<T>(p.biases, srow, groups, g, bias);
+      }
+      const int32_t* xg = xq.q.data() + (size_t)g * 16;  // 16 dwords a group
+      const __m512i x0 = _mm512_loadu_si512(xg), x1 = _mm512_loadu_si512(xg + 16);
+      // x's dwords alternate low and high nibbles' columns (quantize_group's order)
+      const __m512i xl = _mm512_permutex2var_epi32(x0, even, x1);
+      const __m512i xh = _mm512_permutex2var_epi32(x0, odd, x1);
+      const size_t at = (size_t)g * 32;
+      __m512i A[16];
+      for (int r = 0; r < 16; r++) {
+        __builtin_prefetch(rp[r] + at + 512);
+        const __m512i w = _mm512_loadu_si512(rp[r] + at);
+        const __m512i lo = _mm512_and_si512(w, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), low);
+        A[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
+      }
+      __m512i s0, s1;
+      sum_lanes(A, s0, s1);
+      const int j = g % 16;
+      f = accumulate(f, vi{s0}, loadf(scale + j * 16), xq.d[g], loadf(bias + j * 16), xq.ds[g]);
+      f = accumulate(f, vi{s1}, loadf(scale + j * 16 + 16), xq.d[g + 1],
+                     loadf(bias + j * 16 + 16), xq.ds[g + 1]);
+    }
+    alignas(64) float out[16];
+    storef(out, f);
+    std::copy(out, out + rows, p.y + nb);
+  }
+}
+#endif
+
 template <ScaleType T>
 void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+#if defined(MACSPEC_Q4_ROW)
+  if (p.bits == 4 && p.M == 1 && p.group == 64 && p.K % 128 == 0) {
+    q4_row_chunk<T>(p, xq, n0, n1);
+    return;
+  }
+#endif
   if (p.bits == 4) {
     q8_chunk<4, T>(p, xq, n0, n1);
   } else {
@@ -292,16 +376,29 @@ void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
 
 }  // namespace
 
-void q_int8_products(const QProduct& p) {
-  QuantizedX xq;
-  quantize_x(p, xq);
-  const int rows = chunk_rows(p.N, p.K * p.bits / 8);
-  Pool::get().run((p.N + rows - 1) / rows, [&](int c) {
-    const int n0 = c * rows, n1 = std::min(p.N, (c + 1) * rows);
-    switch (p.type) {
-      case ScaleType::f32: q8_chunk_bits<ScaleType::f32>(p, xq, n0, n1); break;
-      case ScaleType::f16: q8_chunk_bits<ScaleType::f16>(p, xq, n0, n1); break;
-      default: q8_chunk_bits<ScaleType::bf16>(p, xq, n0, n1); break;
+void q_int8_products(const QProduct* ps, int count) {
+  if (count < 1 || count > MAX_JOINED) {
+    throw std::invalid_argument("[macspec products] 1 to 4 quantized products in one job");
+  }
+  QuantizedX xqs[MAX_JOINED];
+  const QuantizedX* xq[MAX_JOINED];
+  int N[MAX_JOINED], row_bytes[MAX_JOINED];
+  for (int j = 0; j < count; j++) {
+    const QProduct& p = ps[j];
+    if (j > 0 && same_x(ps[j - 1], p)) {
+      xq[j] = xq[j - 1];
+    } else {
+      quantize_x(p, xqs[j]);
+      xq[j] = &xqs[j];
+    }
+    N[j] = p.N;
+    row_bytes[j] = p.K * p.bits / 8;
+  }
+  run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
+    switch (ps[j].type) {
+      case ScaleType::f32: q8_chunk_bits<ScaleType::f32>(ps[j], *xq[j], n0, n1); break;
+      case ScaleType::f16: q8_chunk_bits<ScaleType::f16>(ps[j], *xq[j], n0, n1); break;
+      default: q8_chunk_bits<ScaleType::bf16>(ps[j], *xq[j], n0, n1); break;
     }
   });
 }
@@ -312,8 +409,8 @@ const char* int8_isa() {
   return nullptr;
 }
 
-void q_int8_products(const QProduct& p) {
-  q_float_products(p);
+void q_int8_products(const QProduct* products, int count) {
+  q_float_products(products, count);
 }
 
 #endif

@@ -3,7 +3,26 @@
 // quant.h.
 #pragma once
 
+#include <stdexcept>
+
+#include "mlx/array.h"
+#include "quant.h"
+
 namespace macspec {
+
+// The scales' (and biases') element type of an MLX affine-quantized matrix.
+inline ScaleType scale_type(mlx::core::Dtype dtype) {
+  if (dtype == mlx::core::float32) {
+    return ScaleType::f32;
+  }
+  if (dtype == mlx::core::float16) {
+    return ScaleType::f16;
+  }
+  if (dtype == mlx::core::bfloat16) {
+    return ScaleType::bf16;
+  }
+  throw std::invalid_argument("[macspec] scales of float32, float16 or bfloat16");
+}
 
 // y (M, N) = x (M, K) @ W (N, K).T, row-contiguous, summed as the `linear` primitive sums.
 struct Product {

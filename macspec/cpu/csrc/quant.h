@@ -28,12 +28,21 @@ struct QProduct {
 };
 
 // Float activations: each row's result summed in the same order whatever M.
-void q_float_products(const QProduct& p);
+void q_float_products(const QProduct* products, int count);
 
 // Int8 activations, integer dot products, then the same float steps for every row: bit-identical
 // whatever M and the threads. Each row is quantized per weight group: d = max|x| / 127 and
 // q = x * (127 / max|x|) rounded to nearest even. Only where int8_isa() is not null.
-void q_int8_products(const QProduct& p);
+void q_int8_products(const QProduct* products, int count);
+
+// Up to 4 products in one job of the thread pool (the threads wait for each other once), each
+// computed as alone; products of the same x share its preparation.
+constexpr int MAX_JOINED = 4;
+
+// Whether b's x is prepared as a's is: the same rows, group size and bit width.
+inline bool same_x(const QProduct& a, const QProduct& b) {
+  return a.x == b.x && a.M == b.M && a.K == b.K && a.group == b.group && a.bits == b.bits;
+}
 
 // The instructions the int8 products use on this build ("avx512-vnni", ...), or nullptr where
 // there are none (the float products run instead).

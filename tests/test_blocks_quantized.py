@@ -1,0 +1,125 @@
+"""The fused decoder layer on MLX's affine 4/8-bit weights (blocks.py, csrc/cpu_block.cpp): the
+same logits as the layer run one native op at a time, bit for bit, for every row count, and a
+plain step's logits equal to every verification row's; layers quantized unalike run op by op."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama, qwen2
+from support.tinymodels import chunk_logits, llama_like, make_tiny_model
+from test_products_int8 import _quantized_copy
+
+import macspec
+from macspec.cpu import blocks, kernels, native, products
+
+ext = native.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4}
+PROMPT = [3, 9, 27, 17, 5, 40, 2]
+# passes of 1, 2, 5 and 16 rows after the prompt
+CHUNKS = [PROMPT, [11], [40, 2], [7, 8, 9, 10, 12], [int(i) for i in range(20, 36)], [6]]
+
+
+def _quantized(module, bits: int, group: int, half: bool, predicate=None):
+    model = llama_like(module, model_type=module.__name__.rsplit(".", 1)[-1], **SHAPE)
+    if half:  # scales and biases in float16, as converted models hold them
+        model.set_dtype(mx.float16)
+    nn.quantize(model, group_size=group, bits=bits, class_predicate=predicate)
+    mx.eval(model.parameters())
+    kernels.accelerate(model)
+    return model
+
+
+def _op_by_op(model, chunks):
+    blocks.set_enabled(False)
+    try:
+        return chunk_logits(model, chunks)
+    finally:
+        blocks.set_enabled(True)
+
+
+@pytest.mark.parametrize("int8", [True, False])
+@pytest.mark.parametrize(("bits", "group", "half"), [(4, 64, True), (4, 32, False), (8, 128, True)])
+@pytest.mark.parametrize("module", [llama, qwen2])  # qwen2: biased q/k/v products
+def test_fused_quantized_layers_equal_the_ops_bit_for_bit(
+    module, bits, group, half, int8, native_calls, monkeypatch
+):
+    monkeypatch.setattr(products, "int8_activations", int8)
+    model = _quantized(module, bits, group, half)
+    ops = _op_by_op(model, CHUNKS)
+    assert native_calls["qkv_rope"] == 0
+    fused = chunk_logits(model, CHUNKS)
+    assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == len(CHUNKS) * 2
+    for a, b in zip(ops, fused, strict=True):
+        np.testing.assert_array_equal(b, a)
+    if not int8:  # float activations: mlx-lm's own quantized logits up to summation order
+        with kernels.stock(model):
+            stock = chunk_logits(model, CHUNKS)
+        for a, b in zip(stock, fused, strict=True):
+            np.testing.assert_allclose(b, a, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("module", [llama, qwen2])
+def test_a_step_and_every_verification_row_agree_bit_for_bit(module, native_calls):
+    model = _quantized(module, 4, 64, True)
+    rows = list(range(20, 36))
+    steps = chunk_logits(model, [PROMPT, *([r] for r in rows)])[1:]
+    for n in (2, 5, 16):
+        verified = chunk_logits(model, [PROMPT, rows[:n]])[1]
+        for i in range(n):
+            np.testing.assert_array_equal(verified[i], steps[i][0])
+    assert native_calls["attn_mlp"] == (1 + 16 + 3 * 2) * 2
+
+
+def test_layers_quantized_unalike_run_op_by_op_and_say_why_once(native_calls, caplog, monkeypatch):
+    monkeypatch.setattr(blocks, "_told", set())
+
+    def q_at_8_bits(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        return {"group_size": 64, "bits": 8} if path.endswith("q_proj") else True
+
+    model = _quantized(llama, 4, 64, False, q_at_8_bits)
+    with caplog.at_level(logging.INFO, logger="macspec.cpu"):
+        got = chunk_logits(model, CHUNKS[:3])
+    assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == 0
+    said = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
+    assert len(said) == 1 and "different bits" in said[0]  # two layers, three passes
+    for a, b in zip(_op_by_op(model, CHUNKS[:3]), got, strict=True):
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.fixture(scope="module")
+def q4_fused_pair(tmp_path_factory):
+    """A 4-bit g64 target and a noisy 4-bit copy of it as the draft, layers wide enough to fuse."""
+    root = tmp_path_factory.mktemp("q4fused")
+    kw = {"seed": 0, "hidden": 128, "tie": False}
+    target = make_tiny_model(root / "target", **kw)
+    draft = make_tiny_model(root / "draft", perturb=0.3, **kw)
+    return macspec.load(
+        _quantized_copy(target, root / "tq", group=64),
+        _quantized_copy(draft, root / "dq", group=64),
+    )
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_speculation_on_fused_4bit_layers_equals_plain_decoding(
+    q4_fused_pair, native_calls, monkeypatch, k
+):
+    monkeypatch.setattr(products, "int8_activations", True)
+    for prompt in ("Once", "The cat"):
+        plain = macspec.generate(
+            q4_fused_pair, prompt, max_tokens=30, temperature=0, speculative=False
+        )
+        spec = macspec.generate(
+            q4_fused_pair, prompt, max_tokens=30, temperature=0, num_draft=k, adaptive=False
+        )
+        assert spec.tokens == plain.tokens
+        assert spec.stats.drafted > 0
+    assert native_calls["qkv_rope"] > 0 and native_calls["rope_heads"] == 0
