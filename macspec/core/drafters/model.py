@@ -7,7 +7,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import caches, tree
+from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import hidden_states
@@ -109,8 +109,7 @@ class ModelDrafter:
     def _confidence(logits: mx.array, index: mx.array) -> float:
         """The draft's own probability of its pick at temperature 1: the one host sync per
         draft token that adaptive length needs."""
-        row = logits[0].astype(mx.float32)
-        return mx.exp(row[index[0]] - mx.logsumexp(row)).item()
+        return hooks.softmax(logits.astype(mx.float32))[0, index[0]].item()
 
     def commit(
         self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
