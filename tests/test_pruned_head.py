@@ -131,6 +131,20 @@ def test_adaptive_length_cuts_the_same_chain(tied_dirs, temperature):
     assert all(t < 30 for t in chains[0])
 
 
+def test_a_grammar_allowing_only_ids_outside_the_head_is_cut_not_wrong(tied_dirs):
+    """Capitals lie outside the 30 lowest ids: where the grammar allows only them, the draft
+    is cut there; greedy answers equal plain constrained decoding, sampled ones follow it."""
+    pair = load_pruned(tied_dirs, 30)
+    kw = {"grammar": "start: /([A-Z][a-z])+/", "max_tokens": 24, "num_draft": 3}
+    for prompt in ("Ab Cd", "Once"):
+        spec = macspec.generate(pair, prompt, adaptive=False, **kw)
+        plain = macspec.generate(pair, prompt, speculative=False, **kw)
+        assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+    for seed in range(4):
+        r = macspec.generate(pair, "Ab", temperature=1.0, seed=seed, adaptive=False, **kw)
+        assert r.text[::2].isupper() and r.text[1::2].islower()
+
+
 def test_switch_off_keeps_the_whole_head(tied_dirs):
     pair = load_pruned(tied_dirs, 0)
     assert pair.draft_vocab == 0 and pair.make_drafter(False).head is None
