@@ -67,6 +67,20 @@ def test_logits_changed_after_the_head_keep_the_whole_head():
     assert pruned.prune_head(model, 96, 0) is None
 
 
+def test_a_head_of_another_kind_is_kept_whole():
+    class Odd(nn.Module):  # a head whose rows are not the rows of its arrays
+        def __init__(self, w):
+            super().__init__()
+            self.w = w
+
+        def __call__(self, x):
+            return x @ self.w.T
+
+    model = tiny_llama(tie_word_embeddings=False)
+    model.lm_head = Odd(model.lm_head.weight)
+    assert pruned.prune_head(model, 96, 20) is None
+
+
 def test_default_size_and_switch():
     assert pruned.chosen_size(151_665, None) == pruned.DEFAULT_SIZE
     assert pruned.chosen_size(2 * pruned.DEFAULT_SIZE, None) == 0  # small vocabularies: whole

@@ -29,6 +29,8 @@ log = logging.getLogger("macspec.core")
 # Ids a pruned head scores by default, and the smallest vocabulary pruned by default: below
 # twice this size the head is too small a part of the pass to pay for the acceptance it costs.
 DEFAULT_SIZE = 32768
+# Heads whose rows are rows of their arrays (and the switched classes of the CPU products).
+HEADS = (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)
 
 
 def chosen_size(vocab_size: int, asked: int | None) -> int:
@@ -44,6 +46,15 @@ def frequent_ids(size: int, vocab_size: int, keep: Iterable[int] = ()) -> mx.arr
     return mx.array(sorted(ids), dtype=mx.int32)
 
 
+def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The module that gives a model's logits (as target.output_head), and whether it is the
+    tied input embedding."""
+    lm = language_model(model)
+    if getattr(lm, "lm_head", None) is not None:
+        return lm.lm_head, False
+    return lm.model.embed_tokens, True
+
+
 class PrunedHead:
     """The draft's own head (tied or not, quantized or not) with only the rows of `ids`.
 
@@ -52,9 +63,7 @@ class PrunedHead:
 
     def __init__(self, model: nn.Module, ids: mx.array, vocab_size: int):
         self.ids, self.vocab_size = ids, vocab_size
-        lm = language_model(model)
-        self.tied = getattr(lm, "lm_head", None) is None
-        source = lm.model.embed_tokens if self.tied else lm.lm_head
+        source, self.tied = head_module(model)
         self.module = copy.copy(source)
         for name in ("weight", "scales", "biases", "bias"):
             if name in source:
@@ -85,6 +94,8 @@ class PrunedHead:
         tokens = mx.array(probe, dtype=mx.int32)
         own = model(tokens[None])[0, -1:, : self.vocab_size][:, self.ids]
         mine = self(hidden_states(model, tokens, None)[-1:])
+        if own.shape != mine.shape:
+            return False
         return bool(mx.allclose(own, mine, rtol=1e-3, atol=1e-3).item())
 
 
@@ -94,6 +105,10 @@ def prune_head(
     """The model's head over the `size` most frequent ids and `keep`, or None when `size` is 0
     or the model's logits are not its head's output alone."""
     if size <= 0:
+        return None
+    source, _ = head_module(model)
+    if not isinstance(source, HEADS):
+        log.info("the draft's head is a %s: its whole head is used", type(source).__name__)
         return None
     head = PrunedHead(model, frequent_ids(size, vocab_size, keep), vocab_size)
     probe = [(7 * i) % max(vocab_size - 1, 1) + 1 for i in range(4)]
