@@ -234,8 +234,8 @@ def test_check_notes_a_pruned_draft_head(target, tmp_path, monkeypatch):
     draft = make_tiny_model(tmp_path / "draft", seed=1, hidden=16, layers=1)
     monkeypatch.setenv("MACSPEC_DRAFT_VOCAB", "20")
     note = (
-        f"the draft's head scores its 20 lowest ids and the special ids of {N_TOKENS}; the "
-        "target alone gives the others (MACSPEC_DRAFT_VOCAB=0: every id)"
+        "the draft's head scores its 20 lowest ids, the special ids and the prompt's of "
+        f"{N_TOKENS}; the target alone gives the others (MACSPEC_DRAFT_VOCAB=0: every id)"
     )
     assert check(target, draft).notes[-1] == note
     monkeypatch.setenv("MACSPEC_DRAFT_VOCAB", "0")

@@ -53,6 +53,20 @@ def test_pruned_logits_are_the_heads_rows(tie, bits):
     assert probs.sum().item() == 22
 
 
+def test_the_prompts_ids_join_the_head():
+    model = tiny_llama()
+    head = pruned.PrunedHead(model, pruned.frequent_ids(20, 96), 96)
+    assert head.with_context([3, 5, 19]) is head  # nothing lacking: the same head
+    wide = head.with_context([3, 40, 95, 40, 300, -1])
+    assert wide.ids.tolist() == [*range(20), 40, 95] and head.size == 20
+    assert wide.lookup[40].item() == 20 and wide.lookup[95].item() == 21
+    assert wide.lookup[41].item() == 22
+    tokens = mx.array([5, 9, 2, 40])
+    full = model(tokens[None])[0]
+    small = wide(hidden_states(model, tokens, None))
+    assert mx.allclose(small, full[:, wide.ids], rtol=1e-5, atol=1e-5).item()
+
+
 def test_logits_changed_after_the_head_keep_the_whole_head():
     model = tiny_llama()
     stock = type(model)
@@ -142,7 +156,10 @@ def test_adaptive_length_cuts_the_same_chain(tied_dirs, temperature):
         chains.append(proposal.tokens.tolist())
     assert len(chains[0]) == 6 and 1 <= len(chains[1]) < 6
     assert chains[0][: len(chains[1])] == chains[1]
-    assert all(t < 30 for t in chains[0])
+    # S: the 30 lowest ids and the prompt's ("O" is not among the 30 lowest)
+    allowed = set(range(30)) | set(prompt)
+    assert drafter.head.ids.tolist() == [*range(30), *sorted(set(prompt) - set(range(30)))]
+    assert set(chains[0]) <= allowed
 
 
 def test_a_grammar_allowing_only_ids_outside_the_head_is_cut_not_wrong(tied_dirs):
@@ -167,8 +184,8 @@ def test_switch_off_keeps_the_whole_head(tied_dirs):
 
 @pytest.fixture(scope="module")
 def small_pruned(tmp_path_factory):
-    """Over 7 ids (3 specials + "abcd"): the draft's head scores the specials and "ab" only,
-    so "c" and "d" come from the residual alone."""
+    """Over 7 ids (3 specials + "abcd"): the draft's head scores the specials and "ab", and
+    "c" (5) as the prompt holds it, so "d" (6) comes from the residual alone."""
     root = tmp_path_factory.mktemp("small_pruned")
     kw = {"chars": SMALL, "scale": 8.0, "vocab_rows": 9, "tie": False}
     target = make_tiny_model(root / "target", seed=3, **kw)
@@ -184,7 +201,7 @@ def test_pruned_head_distribution_matches_target(small_pruned, options):
     expected = exact_joint(small_pruned, PROMPT, DEPTH, **options)
     counts = sample_prefixes(small_pruned, PROMPT, DEPTH, N, num_draft=2, adaptive=False, **options)
     assert chi_square(expected, counts) > 1e-3
-    assert any(5 in seq[1:] or 6 in seq[1:] for seq in counts)  # ids outside S come
+    assert any(6 in seq[1:] for seq in counts)  # the id outside S comes
 
 
 def residual_over_s(p, q, drafts, key):

@@ -344,7 +344,7 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
             report.mtp[side] = heads
     if size := chosen_size(report.usable_vocab, switches.DRAFT_VOCAB.value()):
         report.notes.append(
-            f"the draft's head scores its {size:,} lowest ids and the special ids of "
+            f"the draft's head scores its {size:,} lowest ids, the special ids and the prompt's of "
             f"{report.usable_vocab:,}; the target alone gives the others "
             f"({switches.DRAFT_VOCAB}=0: every id)"
         )

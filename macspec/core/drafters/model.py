@@ -36,6 +36,7 @@ class ModelDrafter:
     ):
         self.model = model
         self.vocab_size = vocab_size
+        self.pruned = head  # over the frequent ids; `head` adds the prompt's (start/resume)
         self.head = head
         # Adaptive length: stop drafting once the draft's own probability of its token (at
         # temperature 1, so greedy drafts are judged too) falls below this. 0 = never stop.
@@ -67,6 +68,8 @@ class ModelDrafter:
             self.cache = state.cache
         caches.prefill(self.model, self.cache, prompt[n:-1])
         self.pending = prompt[-1:]
+        if self.pruned is not None:
+            self.head = self.pruned.with_context(prompt)
 
     def label(self) -> None:
         return None

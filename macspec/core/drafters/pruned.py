@@ -55,24 +55,49 @@ def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
     return lm.model.embed_tokens, True
 
 
+def _rows(source: nn.Module, ids: mx.array) -> nn.Module:
+    """A copy of the head module `source` holding the rows of `ids` alone."""
+    module = copy.copy(source)
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in source:
+            module[name] = mx.contiguous(mx.take(source[name], ids, axis=0))
+    mx.eval(module.parameters())
+    return module
+
+
 class PrunedHead:
     """The draft's own head (tied or not, quantized or not) with only the rows of `ids`.
 
-    A copy of the head module with its rows taken, so that it runs the same product (an
+    Copies of the head module with its rows taken, so that it runs the same product (an
     accelerated one included) on fewer rows; a tied input embedding stays whole."""
 
     def __init__(self, model: nn.Module, ids: mx.array, vocab_size: int):
-        self.ids, self.vocab_size = ids, vocab_size
-        source, self.tied = head_module(model)
-        self.module = copy.copy(source)
-        for name in ("weight", "scales", "biases", "bias"):
-            if name in source:
-                self.module[name] = mx.contiguous(mx.take(source[name], ids, axis=0))
-        mx.eval(self.module.parameters())
+        self.source, self.tied = head_module(model)
+        self.vocab_size = vocab_size
+        self.parts = [_rows(self.source, ids)]
+        self._index(ids)
+
+    def _index(self, ids: mx.array) -> None:
+        self.ids = ids  # the id of each logits column
         # Id -> column of the pruned logits, len(ids) for the ids outside S (verify.make_dist).
-        table = np.full(vocab_size, ids.size, np.int32)
+        table = np.full(self.vocab_size, ids.size, np.int32)
         table[np.array(ids)] = np.arange(ids.size, dtype=np.int32)
         self.lookup = mx.array(table)
+
+    def with_context(self, context: Iterable[int]) -> PrunedHead:
+        """This head and the rows of the ids of `context` (a prompt) it lacks: the names and
+        words a prompt holds tend to recur in its answer. S then depends on the context alone,
+        which keeps the round exact."""
+        table = np.array(self.lookup)
+        lacking = {int(i) for i in context if 0 <= int(i) < self.vocab_size}
+        more = sorted(i for i in lacking if table[i] == self.size)
+        if not more:
+            return self
+        head = copy.copy(self)
+        extra = mx.array(more, dtype=mx.int32)
+        head.parts = [*self.parts, _rows(self.source, extra)]
+        head._index(mx.concatenate([self.ids, extra]))
+        return head
 
     @property
     def size(self) -> int:
@@ -80,7 +105,8 @@ class PrunedHead:
 
     def __call__(self, hidden: mx.array) -> mx.array:
         """Logits (rows, |S|) from final hidden states (rows, H)."""
-        return self.module.as_linear(hidden) if self.tied else self.module(hidden)
+        out = [m.as_linear(hidden) if self.tied else m(hidden) for m in self.parts]
+        return out[0] if len(out) == 1 else mx.concatenate(out, axis=-1)
 
     def full(self, small: mx.array) -> mx.array:
         """(rows, vocab_size) probabilities from rows over S (0 elsewhere)."""
