@@ -64,6 +64,7 @@ class KeptCosts:
             str(pair.draft_path),
             _stamp(pair.draft_path),
             pair.drafter_kind,
+            pair.draft_vocab,
             self.k,
             length,
             str(mx.default_device()),

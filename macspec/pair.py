@@ -30,6 +30,7 @@ from .core import (
     drafter_class,
     hooks,
 )
+from .core.drafters.pruned import chosen_size, prune_head
 from .errors import MacspecError, ModelError, OptionError
 from .kept_costs import calibrate
 from .models.compat import check_tokenizers
@@ -63,6 +64,7 @@ class Pair:
     cache_kinds: dict[str, int] = field(default_factory=dict)
     kernels: bool = True  # CPU layer kernels on the target and the draft (load(kernels=...))
     draft_cache_kinds: dict[str, int] = field(default_factory=dict)
+    draft_vocab: int = 0  # ids a draft model's pruned head scores (drafters/pruned.py); 0: all
     # States kept between generations (core/caches/); None: every prompt is read whole.
     prompt_cache: PromptCache | None = None
 
@@ -78,7 +80,8 @@ class Pair:
             heads = mtp_summary(self.target_path) if self.drafter_kind == "mtp" else None
             how = f" ({heads})" if heads else " (no draft model)"
             return f"{target}, {self.drafter_kind} drafting{how}"
-        return f"{target} + draft {self.draft_path.name} ({self.drafter_kind})"
+        head = f", its head over {self.draft_vocab:,} ids" if self.draft_vocab else ""
+        return f"{target} + draft {self.draft_path.name} ({self.drafter_kind}{head})"
 
     def check_trees(self) -> None:
         """Token trees need a draft model (or feature draft) and full-attention caches."""
@@ -356,8 +359,11 @@ def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[b
     ).raise_for_errors()
     pair.vocab_size = min(target_rows, draft_rows, vocab)
     pair.draft_cache_kinds = _checked_caches(pair.draft, pair.draft_path, "draft", pair.vocab_size)
+    size = chosen_size(pair.vocab_size, switches.DRAFT_VOCAB.value())
+    head = prune_head(pair.draft, pair.vocab_size, size, _special_ids(pair))
+    pair.draft_vocab = head.size if head is not None else 0
     return lambda adaptive: ModelDrafter(
-        pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0
+        pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0, head
     )
 
 

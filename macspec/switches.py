@@ -26,7 +26,7 @@ OFF = ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Switch:
-    """One environment variable: its kind (flag, count, seconds, mib, path or choice), its
+    """One environment variable: its kind (flag, count, size, seconds, mib, path or choice), its
     default (None: unset means "not set", as the meaning says), and what it does."""
 
     name: str
@@ -60,9 +60,11 @@ class Switch:
 
     def _number(self, raw: str, text: str) -> int | float:
         try:
-            value = int(text) if self.kind == "count" else float(text)
+            value = int(text) if self.kind in ("count", "size") else float(text)
         except ValueError:
             value = None
+        if self.kind == "size" and (value is None or value < 0):
+            raise self._bad(raw, "a whole number >= 0")
         if self.kind == "count" and (value is None or value < 1):
             raise self._bad(raw, "a whole number >= 1")
         if self.kind == "seconds" and (value is None or not 0 < value < float("inf")):
@@ -166,6 +168,13 @@ DIST_TIMEOUT = Switch(
     None,
     "seconds rank 0 waits for the other ranks in one round before it stops (unset: 120)",
 )
+DRAFT_VOCAB = Switch(
+    "MACSPEC_DRAFT_VOCAB",
+    "size",
+    None,
+    "how many of the most frequent ids a draft model's head scores; the others come from the "
+    "target alone (unset: core/drafters/pruned.py's default for a big vocabulary; 0: every id)",
+)
 COMM_TIMING = Switch(
     "MACSPEC_COMM_TIMING",
     "flag",
@@ -188,6 +197,7 @@ ALL = (
     NATIVE_BLOCKS,
     DIST_TIMEOUT,
     COMM_TIMING,
+    DRAFT_VOCAB,
 )
 
 

@@ -398,6 +398,10 @@ def test_methods_run_exactly_as_named_against_macspec_plain(same_pair, tmp_path,
     table = format_table(result)
     assert "temperature 0.0 (speedup vs macspec plain)" in table
     assert "against macspec plain at the same temperature" in table and "mlx-lm" not in table
+    # The tiny draft's 72 ids are scored whole; a pruned head is named.
+    assert result["meta"]["draft_vocab"] == 0 and "the draft's head" not in table
+    result["meta"]["draft_vocab"] = 32768
+    assert "drafter model+ngram, the draft's head over 32,768 ids; " in format_table(result)
 
 
 def test_without_a_baseline_there_are_no_speedups(same_pair, tmp_path):

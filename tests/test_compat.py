@@ -228,3 +228,15 @@ def test_load_accepts_padded_models_and_agrees_on_the_vocabulary(tmp_path):
     report = check(padded, draft)
     assert report.compatible
     assert pair.vocab_size == report.usable_vocab == N_TOKENS
+
+
+def test_check_notes_a_pruned_draft_head(target, tmp_path, monkeypatch):
+    draft = make_tiny_model(tmp_path / "draft", seed=1, hidden=16, layers=1)
+    monkeypatch.setenv("MACSPEC_DRAFT_VOCAB", "20")
+    note = (
+        "the draft's head scores its 20 lowest ids, the special ids and the prompt's of "
+        f"{N_TOKENS}; the target alone gives the others (MACSPEC_DRAFT_VOCAB=0: every id)"
+    )
+    assert check(target, draft).notes[-1] == note
+    monkeypatch.setenv("MACSPEC_DRAFT_VOCAB", "0")
+    assert check(target, draft).notes == ["the tokenizer files are byte-identical"]

@@ -19,6 +19,7 @@ class LoadedPair(Protocol):
     draft_path: Path | None
     drafter_kind: str | None  # "model", "ngram", "model+ngram", a feature draft, or None
     vocab_size: int  # ids both models can produce and the tokenizer knows
+    draft_vocab: int  # ids a draft model's pruned head scores (drafters/pruned.py); 0: all
     context_length: int
     group: mx.distributed.Group | None  # the target is sharded over it (sharded.py)
     timing: Timing  # plain steps measured across generations

@@ -47,6 +47,7 @@ def make_dist(
 
     # Rows depend on the ids before them (the penalty's windows, the constraint's state).
     dist.needs_history = opts.repetition_penalty != 1.0 or constraint is not None
+    dist.greedy = opts.greedy  # every row is a one-hot: a drafter may take its argmax alone
     dist.constraint = constraint
     return dist
 

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import switches
 from ..core.caches import describe_kinds
+from ..core.drafters.pruned import chosen_size
 from ..errors import CompatError, ModelError
 from . import eagle3_export, mtp
 from .store import resolve_model
@@ -340,6 +342,12 @@ def check(target: str | Path, draft: str | Path, *, probe: list[str] | None = No
         _check_caches(report, side, path)
         if heads := mtp.summary(path):
             report.mtp[side] = heads
+    if size := chosen_size(report.usable_vocab, switches.DRAFT_VOCAB.value()):
+        report.notes.append(
+            f"the draft's head scores its {size:,} lowest ids, the special ids and the prompt's of "
+            f"{report.usable_vocab:,}; the target alone gives the others "
+            f"({switches.DRAFT_VOCAB}=0: every id)"
+        )
     return report
 
 

@@ -265,6 +265,7 @@ def _meta(
         "target": str(pair.target_path),
         "draft": str(pair.draft_path) if pair.draft_path else None,
         "default_drafter": pairs["default"].drafter_kind if "default" in pairs else None,
+        "draft_vocab": pair.draft_vocab,  # ids the draft model's head scores; 0: all
         "backend": be.detect_backend(),
         "device": be.device_name(),
         "blas": blas.describe(),

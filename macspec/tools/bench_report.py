@@ -216,13 +216,19 @@ def _against_baseline(rows: list[dict[str, Any]], baseline: str | None) -> None:
         r["round_cost"] = bp / r["target_passes_per_s"] if bp and r["target_passes_per_s"] else None
 
 
+def _head(meta: dict[str, Any]) -> str:
+    """How many ids the draft model's head scored, when it was pruned."""
+    n = meta.get("draft_vocab")
+    return f", the draft's head over {n:,} ids" if n else ""
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The terminal table: one block per temperature, one line per method (all kinds together)."""
     rows, meta = result["summary"], result["meta"]
     kinds = meta["kinds"]
     out = [
         f"target {meta['target']}  draft {meta['draft']}  "
-        f"(adaptive uses drafter {meta.get('default_drafter')}; {meta['blas']}, "
+        f"(adaptive uses drafter {meta.get('default_drafter')}{_head(meta)}; {meta['blas']}, "
         f"{meta['bandwidth_gbs']:.1f} GB/s copy bandwidth, target weights "
         f"{meta['target_weight_bytes'] / 1e6:.0f} MB)"
     ]

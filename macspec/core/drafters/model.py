@@ -7,25 +7,37 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import caches, tree
+from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
+from ..target import hidden_states
 from .base import DistFn, Proposal
+from .pruned import PrunedHead
 
 
 class ModelDrafter:
     """A small autoregressive model with its own cache.
 
     The cache always holds the context except `pending`, the ids not yet fed: normally the
-    target's last token, or the last draft and the target's token after a full acceptance."""
+    target's last token, or the last draft and the target's token after a full acceptance.
+    `head`: a head over the most frequent ids only (pruned.py) for chains; trees use the
+    model's own head."""
 
     name = "model"
     summary = "the draft model only"
     needs_hidden = False
 
-    def __init__(self, model: nn.Module, vocab_size: int, stop_below: float = 0.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        vocab_size: int,
+        stop_below: float = 0.0,
+        head: PrunedHead | None = None,
+    ):
         self.model = model
         self.vocab_size = vocab_size
+        self.pruned = head  # over the frequent ids; `head` adds the prompt's (start/resume)
+        self.head = head
         # Adaptive length: stop drafting once the draft's own probability of its token (at
         # temperature 1, so greedy drafts are judged too) falls below this. 0 = never stop.
         self.stop_below = stop_below
@@ -56,30 +68,51 @@ class ModelDrafter:
             self.cache = state.cache
         caches.prefill(self.model, self.cache, prompt[n:-1])
         self.pending = prompt[-1:]
+        if self.pruned is not None:
+            self.head = self.pruned.with_context(prompt)
 
     def label(self) -> None:
         return None
 
     def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
-        # No host sync between draft steps: each token feeds the next lazily.
+        # No host sync between draft steps (but adaptive length's): each token feeds the next.
         self._base = caches.length(self.cache)
+        greedy = getattr(dist, "greedy", False)
+        columns = () if self.head is None else (self.head.lookup,)
         tokens, probs = [], []
         inputs = mx.array(self.pending, dtype=mx.int32)
         for i, subkey in enumerate(mx.random.split(key, k)):
             with caches.forward(self.cache, inputs.size, rewindable=True):
-                logits = self.model(inputs[None], cache=self.cache)[0, -1:, : self.vocab_size]
+                logits = self._logits(inputs)
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, i)
-            token = sample(q, subkey)
+            q = dist(logits, drafted, i, *columns)
+            # Greedy q is the one-hot of its argmax: the draft is that id, q a point mass.
+            index = mx.argmax(q, axis=-1).astype(mx.uint32) if greedy else sample(q, subkey)
+            token = index if self.head is None else self.head.ids[index]
             tokens.append(token)
             probs.append(q)
             inputs = token
-            if self.stop_below > 0 and i + 1 < k:
-                # The one host sync per draft token that adaptive length needs.
-                confidence = mx.softmax(logits[0], axis=-1)[token[0]]
-                if confidence.item() < self.stop_below:
-                    break
-        return Proposal(mx.concatenate(tokens), mx.concatenate(probs))
+            if i + 1 == k:
+                break
+            if self.stop_below > 0 and self._confidence(logits, index) < self.stop_below:
+                break
+        if greedy:
+            return Proposal(mx.concatenate(tokens), None)
+        q = mx.concatenate(probs)
+        return Proposal(mx.concatenate(tokens), q if self.head is None else self.head.full(q))
+
+    def _logits(self, inputs: mx.array) -> mx.array:
+        """(1, columns) logits after `inputs` (fed to the cache): over the pruned head's ids,
+        else over the vocabulary."""
+        if self.head is None:
+            return self.model(inputs[None], cache=self.cache)[0, -1:, : self.vocab_size]
+        return self.head(hidden_states(self.model, inputs, self.cache)[-1:])
+
+    @staticmethod
+    def _confidence(logits: mx.array, index: mx.array) -> float:
+        """The draft's own probability of its pick at temperature 1: the one host sync per
+        draft token that adaptive length needs."""
+        return hooks.softmax(logits.astype(mx.float32))[0, index[0]].item()
 
     def commit(
         self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
