@@ -20,7 +20,7 @@ from ..errors import OptionError
 from . import memory
 from .caches import Hit, PromptCache
 from .constraint import Constraint
-from .drafters.base import DistFn, Drafter
+from .drafters.base import DistFn, Drafter, catch_up_time
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions
@@ -109,7 +109,8 @@ def generate_rounds(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
-                policy.observe_time(k, v.n + 1, ready - t0)
+                # The drafter's catch-up after plain steps is not this round's own cost.
+                policy.observe_time(k, v.n + 1, max(0.0, ready - t0 - catch_up_time(drafter)))
                 limits = (eos_ids, generated, max_tokens, context_length)
                 emitted, finish, lps = _emit(
                     v, room, history, limits, seen, opts, constraint, logprobs

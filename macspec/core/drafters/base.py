@@ -55,3 +55,10 @@ class Drafter(Protocol):
     # Optional, for the prompt cache: `state_kind` (None: nothing kept), `snapshot()` between
     # rounds (its live state; the prompt cache copies it), and `resume(state, prompt, n, hidden,
     # max_step)`: start() from a state restored to the first n ids, `hidden` for the rest.
+
+
+def catch_up_time(drafter: object) -> float:
+    """Seconds `drafter` spent reading ids it missed (plain steps, copied rounds) since last
+    asked: 0 for drafters that never fall behind (n-gram copies, feature drafts)."""
+    take = getattr(drafter, "take_catch_up", None)
+    return take() if take is not None else 0.0

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import tree
 from ..caches import DraftState
-from .base import DistFn, Drafter, Proposal
+from .base import DistFn, Drafter, Proposal, catch_up_time
 from .ngram import NgramDrafter
 
 
@@ -62,6 +62,9 @@ class HybridDrafter:
         # The model drafted nothing in an n-gram round: for it, this round was a plain step.
         model_k = k if self.used is self.model else 0
         self.model.commit(model_k, accepted, emitted, hidden)
+
+    def take_catch_up(self) -> float:
+        return catch_up_time(self.model)
 
     def abort(self, k: int) -> None:
         if self.used is self.model:
