@@ -240,3 +240,30 @@ def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
             break
     assert got == alone(pair, PROMPTS[0], **opts)
     assert driver.passes > 0
+
+
+class Pricey(dict):
+    """Pass prices where any pass wider than plain steps costs 100 s (and stays so)."""
+
+    def get(self, key, default=None):
+        return 0.01 if key[1] == 1 else 100.0
+
+
+@pytest.mark.parametrize("wide", ["measured", "pricey"])
+def test_adaptive_rows_with_their_k_chosen_for_the_batch_get_what_they_get_alone(kinds, wide):
+    """Four adaptive rows (the batch chooses their K, batch_k.py) answer as alone, greedy: with
+    the pair's measured costs, and where every wide pass is priced out (no drafts at all)."""
+    opts = {"max_tokens": 20, "temperature": 0.0}
+    requests = [(kinds["model"], p, opts) for p in PROMPTS[:3]] + [
+        (kinds["ngram"], PROMPTS[1], opts)
+    ]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    if wide == "pricey":
+        driver.prices.seen = Pricey()
+    got, sizes = run_batch(driver, requests)
+    assert got == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert max(sizes) == 4 and driver.shared_rows > driver.passes
+    if wide == "pricey":
+        assert driver.drafts == 0
+    else:
+        assert driver.drafts > 0
