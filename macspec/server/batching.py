@@ -62,6 +62,11 @@ class BatchScheduler(Scheduler):
             if self._driver.passes
             else None
         )
+        out["drafts_per_shared_row"] = (
+            round(self._driver.drafts / self._driver.shared_rows, 2)
+            if self._driver.shared_rows
+            else None
+        )
         out["requests_taking_turns"] = self.turns
         return out
 

@@ -65,6 +65,7 @@ def measure(pair: Any, clients: int, batch: bool, per_client: int, max_tokens: i
         "seconds": round(wall, 2),
         "tokens_per_second": round(tokens / wall, 2),
         "rows_per_shared_pass": health.get("rows_per_shared_pass"),
+        "drafts_per_shared_row": health.get("drafts_per_shared_row"),
         "texts": [a["choices"][0]["message"]["content"] for a in answers],
     }
 
@@ -83,6 +84,7 @@ def run(pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats
                     "batched_tps": batched["tokens_per_second"],
                     "ratio": round(batched["tokens_per_second"] / turns["tokens_per_second"], 3),
                     "rows_per_shared_pass": batched["rows_per_shared_pass"],
+                    "drafts_per_row": batched["drafts_per_shared_row"],
                     "tokens": batched["completion_tokens"],
                     "same_answers": turns["texts"] == batched["texts"],
                 }
@@ -101,7 +103,8 @@ def run(pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats
 def _line(r: dict[str, Any]) -> str:
     return (
         f"| {r['clients']} | {r['turns_tps']} | {r['batched_tps']} | {r['ratio']}x | "
-        f"{r['rows_per_shared_pass']} | {r['tokens']} | {r['same_answers']} |"
+        f"{r['rows_per_shared_pass']} | {r['drafts_per_row']} | {r['tokens']} | "
+        f"{r['same_answers']} |"
     )
 
 
@@ -119,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pair = macspec.load(args.target, args.draft)
     print(f"{pair.describe()}\n")
-    print("| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | tokens | same |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | drafts/row | tokens "
+        "| same |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     result = run(pair, args.clients, args.per_client, args.max_tokens, args.repeats)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
