@@ -30,13 +30,15 @@ def alone_reason(opts: GenerationOptions) -> str:
 
 class BatchScheduler(Scheduler):
     """Scheduler whose requests share target passes where the pair allows (`batch=False`: they
-    take turns, for comparison)."""
+    take turns; `choose=False`: each row drafts its own policy's K; both for comparison)."""
 
-    def __init__(self, pair: Pair, parallel: int = 4, batch: bool = True) -> None:
+    def __init__(
+        self, pair: Pair, parallel: int = 4, batch: bool = True, choose: bool = True
+    ) -> None:
         super().__init__(pair, parallel)
         self.batch = batch
         self.reason: str | None = None if batch else "turned off (--no-batch)"
-        self._driver = BatchDriver(pair.target, pair.vocab_size)
+        self._driver = BatchDriver(pair.target, pair.vocab_size, choose)
         self._rows: dict[int, Row] = {}  # id(job) -> its row, for jobs in the batch
         self.turns = 0  # requests that took turns although batching was on
 
