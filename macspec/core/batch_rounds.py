@@ -99,10 +99,9 @@ def row_rounds(
                 launch = target.takes_lazy_ids and room > 1 and company() == 1
                 args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
                 v = _verify(*args)
+                policy.observe_time(k, v.n + 1, perf_counter() - t0)  # (a shared round's: not)
             else:
                 target.drop_launch()  # a pass launched while it was alone: not shared
-                label = drafter.label() if drafter is not None and k else None
-                k = yield bid(policy, label, k, target.offset)  # the batch's choice, <= k
                 t0 = perf_counter()
                 v = yield from _shared_round(target, drafter, policy, history[-1], k, dist, subkey)
             ready = perf_counter()
@@ -164,10 +163,13 @@ def _shared_round(
     k: int,
     dist: DistFn,
     key: mx.array,
-) -> Generator[Feed, mx.array, _Verdict]:
+) -> Generator[Bid | Feed, Any, _Verdict]:
     """verify.speculative_round (k > 0) or verify.plain_step (k == 0) with the target's pass
     shared: the same keys, acceptance and rewinds (the target keeps `last` and the n accepted
-    drafts; a round that fails keeps nothing)."""
+    drafts; a round that fails keeps nothing). Its policy's k is bid first: it drafts the k the
+    driver sends back (batch_k.py), never more."""
+    label = drafter.label() if drafter is not None and k else None
+    k = yield bid(policy, label, k, target.offset)
     start, done, n, drafts, proposed = target.offset, False, 0, [], 0
     draft_key, accept_key = mx.random.split(key) if k else (None, key)
     try:
