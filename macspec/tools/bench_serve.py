@@ -117,11 +117,14 @@ def _row(n: int, turns: dict[str, Any], batched: dict[str, Any]) -> dict[str, An
 
 
 def _line(r: dict[str, Any]) -> str:
-    own = f" own K: {r['own_k_tps']} ({r['own_k_ratio']}x, {r['own_k_drafts_per_row']} drafts/row)"
+    own = ""
+    if "own_k_tps" in r:
+        own = f" own K: {r['own_k_tps']} ({r['own_k_ratio']}x, "
+        own += f"{r['own_k_drafts_per_row']} drafts/row)"
     return (
         f"| {r['clients']} | {r['turns_tps']} | {r['batched_tps']} | {r['ratio']}x | "
         f"{r['rows_per_shared_pass']} | {r['drafts_per_row']} | {r['tokens']} | "
-        f"{r['same_answers']} |" + (own if "own_k_tps" in r else "")
+        f"{r['same_answers']} |" + own
     )
 
 
