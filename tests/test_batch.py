@@ -13,7 +13,7 @@ import pytest
 import macspec
 from macspec import api
 from macspec.core import NgramDrafter
-from macspec.core.batch import _Rows, shared_pass, shared_reason
+from macspec.core.batch import shared_pass, shared_reason
 from macspec.core.batch_rounds import PREFILL_CHUNK, BatchDriver, Row, row_rounds
 from macspec.errors import CacheError
 from macspec.options import GenerationOptions
@@ -175,18 +175,28 @@ def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):
     assert [t.offset for t in targets] == lengths  # each row back where its round began
 
 
-def test_the_mask_hides_padding_and_follows_each_row():
-    class Fake:
-        def __init__(self, n):
-            self.offset = n
+def test_a_4bit_model_with_int8_activations_gives_each_row_its_own_logits_bit_for_bit(
+    tmp_path, monkeypatch
+):
+    # One attention over left-padded rows changed a row's logits by rounding, which int8
+    # activations turned into quantization steps (the 1.5B real pair: 2e-2 of their scale).
+    import mlx.nn as nn
+    from mlx_lm.utils import load as mlx_load
+    from support.tinymodels import make_tiny_model
 
-    view = _Rows([Fake(2), Fake(4)])
-    mask = view.make_mask(2)
-    assert mask.shape == (2, 1, 2, 6)
-    assert mask[0, 0].tolist() == [[False, False, True, True, True, False]] + [
-        [False, False, True, True, True, True]
-    ]
-    assert mask[1, 0].tolist() == [[True, True, True, True, True, False]] + [[True] * 6]
+    from macspec.core.batch import _check
+    from macspec.cpu import kernels, products
+
+    if not products.enabled():
+        pytest.skip("no native products here")
+    monkeypatch.setattr(products, "int8_activations", True)
+    model, _ = mlx_load(str(make_tiny_model(tmp_path / "m", seed=3, hidden=64, scale=2.0)))
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    kernels.accelerate(model)
+    vocab = model.args.vocab_size
+    assert _check(model, vocab) == 0.0
+    assert shared_reason(model, vocab, {"attention": 2}, False) == ""
 
 
 def test_one_shared_pass_gives_each_rows_own_logits(pair):
@@ -240,3 +250,30 @@ def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
             break
     assert got == alone(pair, PROMPTS[0], **opts)
     assert driver.passes > 0
+
+
+class Pricey(dict):
+    """Pass prices where any pass wider than plain steps costs 100 s (and stays so)."""
+
+    def get(self, key, default=None):
+        return 0.01 if key[1] == 1 else 100.0
+
+
+@pytest.mark.parametrize("wide", ["measured", "pricey"])
+def test_adaptive_rows_with_their_k_chosen_for_the_batch_get_what_they_get_alone(kinds, wide):
+    """Four adaptive rows (the batch chooses their K, batch_k.py) answer as alone, greedy: with
+    the pair's measured costs, and where every wide pass is priced out (no drafts at all)."""
+    opts = {"max_tokens": 20, "temperature": 0.0}
+    requests = [(kinds["model"], p, opts) for p in PROMPTS[:3]] + [
+        (kinds["ngram"], PROMPTS[1], opts)
+    ]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    if wide == "pricey":
+        driver.prices.seen = Pricey()
+    got, sizes = run_batch(driver, requests)
+    assert got == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert max(sizes) == 4 and driver.shared_rows > driver.passes
+    if wide == "pricey":
+        assert driver.drafts == 0
+    else:
+        assert driver.drafts > 0

@@ -1,20 +1,23 @@
 """Several generations' target passes as one: a (B, W) block, row r being `[last_r, d_1..d_k_r]`
 right-padded to the widest row, each row reading its own cache at its own length.
 
-Every row keeps its own caches (a Target each): for the pass, each layer gets a view (`_Rows`)
-that appends row r's new keys to row r's own cache, left-pads the rows' keys to a common length
-and hides the padding with a per-row mask; RoPE takes the rows' own offsets (an array, as
-mlx-lm's BatchKVCache gives). After the pass each row rewinds its own cache to what it keeps,
-exactly as alone. mlx-lm's BatchKVCache keeps one buffer for all rows and rolls rows to rewind
-them; keeping each row's cache whole lets rows join and leave (and keep their prompt cache)
-with no merge or filter, at the price of the same O(context) copy per round.
+Every row keeps its own caches (a Target each). The rows share every layer's products (the
+MLP, norms, head: row-wise, so each row's result is what it gets alone); attention alone runs
+per row (`_RowsAttention`): row r's w_r ids attend over row r's own cache exactly as the row
+fed alone, then its padding does, so its keys sit in the cache as the round expects. One
+attention over left-padded rows would be one call, but its different reduction lengths and
+RoPE change a row's logits by float rounding, which int8 activations turn into whole
+quantization steps. After the pass each row rewinds its own cache to what it keeps, as alone.
 
-Only full-attention layers (mlx-lm's `KVCache`) take part; `shared_reason` says why a pair's
-rows take turns instead. The mask and offsets follow mlx-lm's cache protocol (`offset`,
-`update_and_fetch`, `make_mask`; pinned mlx-lm>=0.32,<0.33 in pyproject).
+Only full-attention layers (mlx-lm's `KVCache`) reached as `layer.self_attn` take part;
+`shared_reason` says why a pair's rows take turns instead. The mask follows mlx-lm's cache
+protocol (`offset`, `make_mask`; pinned mlx-lm>=0.32,<0.33 in pyproject).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,37 +29,56 @@ from .target import Target, output_head
 
 
 class _Rows:
-    """One layer's caches of B rows, seen as one batched cache for a single forward pass."""
+    """One layer's caches of B rows and how many real ids each row feeds, for one pass."""
 
-    def __init__(self, caches: list[KVCache]) -> None:
-        self.caches = caches
-        self.lengths = [c.offset for c in caches]
-        self.width = max(self.lengths)
-        self.offset = mx.array(self.lengths, dtype=mx.int32)  # RoPE: each row at its own place
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """keys, values (B, heads, W, dim): row r's go into row r's cache; returns every row's
-        keys and values (B, heads, width + W, dim), left-padded with zeros the mask hides."""
-        ks, vs = [], []
-        for r, c in enumerate(self.caches):
-            k, v = c.update_and_fetch(keys[r : r + 1], values[r : r + 1])
-            pad = self.width - self.lengths[r]
-            if pad:
-                widths = [(0, 0), (0, 0), (pad, 0), (0, 0)]
-                k, v = mx.pad(k, widths), mx.pad(v, widths)
-            ks.append(k)
-            vs.append(v)
-        return mx.concatenate(ks), mx.concatenate(vs)
+    def __init__(self, caches: list[KVCache], widths: list[int]) -> None:
+        self.caches, self.widths = caches, widths
+        self.offset = mx.array([c.offset for c in caches], dtype=mx.int32)
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None):
-        """(B, 1, n, width + n) bool: row r sees its own keys (not the left padding) and, among
-        the n new ones, those at or before each query (causal)."""
+        """None: `_RowsAttention` gives each row the mask it gets alone."""
         if window_size is not None:
             raise CacheError("a sliding-window layer cannot take part in a shared pass")
-        cols = mx.arange(self.width + n)[None, None, :]
-        first = (self.width - self.offset)[:, None, None]  # (B, 1, 1): each row's first key
-        last = self.width + mx.arange(n)[None, :, None]  # (1, n, 1): each query's own key
-        return ((cols >= first) & (cols <= last))[:, None]
+        return None
+
+
+def _mask(n: int) -> str | None:
+    return "causal" if n > 1 else None  # what mlx-lm's KVCache.make_mask gives one row
+
+
+class _RowsAttention(nn.Module):
+    """A layer's attention in a shared pass: each row's real ids, then its padding, through
+    the layer's own attention with the row's own cache, as the row fed alone."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        self.attn = attn
+
+    def __call__(self, x: mx.array, mask=None, cache: _Rows | None = None) -> mx.array:
+        if not isinstance(cache, _Rows):
+            raise CacheError("a shared pass's attention needs the rows' caches")
+        width, outs = x.shape[1], []
+        for r, (c, w) in enumerate(zip(cache.caches, cache.widths, strict=True)):
+            parts = [self.attn(x[r : r + 1, :w], mask=_mask(w), cache=c)]
+            if w < width:
+                parts.append(self.attn(x[r : r + 1, w:], mask=_mask(width - w), cache=c))
+            outs.append(mx.concatenate(parts, axis=1))
+        return mx.concatenate(outs)
+
+
+@contextmanager
+def _attention_per_row(model: nn.Module) -> Iterator[None]:
+    layers = model.layers
+    attns = [layer.get("self_attn") if isinstance(layer, dict) else None for layer in layers]
+    if any(a is None for a in attns):
+        raise CacheError("a layer without `self_attn` cannot take part in a shared pass")
+    for layer, attn in zip(layers, attns, strict=True):
+        layer["self_attn"] = _RowsAttention(attn)
+    try:
+        yield
+    finally:
+        for layer, attn in zip(layers, attns, strict=True):
+            layer["self_attn"] = attn
 
 
 def shared_pass(
@@ -69,11 +91,14 @@ def shared_pass(
     rewinds to what it keeps. One row is fed alone, as a Target would feed it."""
     width = max(tokens.size for _, tokens in rows)
     block = mx.stack([mx.pad(tokens, (0, width - tokens.size)) for _, tokens in rows])
+    per_row: AbstractContextManager = nullcontext()
     if len(rows) == 1:
         cache = rows[0][0]
     else:
-        cache = [_Rows([c[i] for c, _ in rows]) for i in range(len(rows[0][0]))]
-    with hooks.serial():  # built whole, as verify.speculative_round builds its pass
+        widths = [tokens.size for _, tokens in rows]
+        cache = [_Rows([c[i] for c, _ in rows], widths) for i in range(len(rows[0][0]))]
+        per_row = _attention_per_row(model)
+    with hooks.serial(), per_row:  # built whole, as verify.speculative_round builds its pass
         if hidden:
             states = model.model(block, cache=cache)
             logits = output_head(model, states)

@@ -3,12 +3,14 @@
 `row_rounds` is `generate_rounds` (loop.py) for one generation of a batch: the same rounds, the
 same random keys split the same way, the same rewinds, so each answer is what it is alone. It
 is a generator the driver runs: it yields `PREFILLING` after each chunk of its prompt (a long
-prompt never stalls the other rows by more than a chunk), a `Feed` when its round needs the
-target's logits (sent back by the driver), and a `Round` when a round is done. A round it
+prompt never stalls the other rows by more than a chunk), a `Bid` when its round can share (its
+policy's K; the driver sends back the K it drafts), a `Feed` when its round needs the target's
+logits (sent back by the driver), and a `Round` when a round is done. A round it
 cannot share (a token tree, a target whose layers cannot share) it runs alone, as loop.py does.
 
-`BatchDriver.round` runs one round of every row: each drafts alone, then one target pass
-verifies every row's drafts, then each accepts with its own key and rewinds its own cache.
+`BatchDriver.round` runs one round of every row: the rows' K are chosen for the batch
+(batch_k.py), each drafts alone, then one target pass verifies every row's drafts, then each
+accepts with its own key and rewinds its own cache.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mlx.nn as nn
 from ..errors import CacheError, OptionError
 from . import caches
 from .batch import can_share, shared_pass
+from .batch_k import Bid, PassPrices, bid, choose_ks
 from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import DistFn, Drafter
@@ -73,8 +76,9 @@ def row_rounds(
 ) -> Generator[Any, Any, None]:
     """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
     prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
-    generate_rounds' own); yields PREFILLING, Feed (send back its logits and hidden states)
-    or Round. No constraint masks or logprobs here: those generations run alone."""
+    generate_rounds' own); yields PREFILLING, Bid (send back the K to draft, at most its
+    own), Feed (send back its logits and hidden states) or Round. No constraint masks or
+    logprobs here: those generations run alone."""
     if constraint is not None or logprobs is not None:
         raise OptionError("a batched row takes no constraint or logprobs: run it alone")
     policy = policy or FixedK(num_draft)
@@ -95,6 +99,7 @@ def row_rounds(
                 launch = target.takes_lazy_ids and room > 1 and company() == 1
                 args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
                 v = _verify(*args)
+                policy.observe_time(k, v.n + 1, perf_counter() - t0)  # (a shared round's: not)
             else:
                 target.drop_launch()  # a pass launched while it was alone: not shared
                 t0 = perf_counter()
@@ -158,10 +163,13 @@ def _shared_round(
     k: int,
     dist: DistFn,
     key: mx.array,
-) -> Generator[Feed, mx.array, _Verdict]:
+) -> Generator[Bid | Feed, Any, _Verdict]:
     """verify.speculative_round (k > 0) or verify.plain_step (k == 0) with the target's pass
     shared: the same keys, acceptance and rewinds (the target keeps `last` and the n accepted
-    drafts; a round that fails keeps nothing)."""
+    drafts; a round that fails keeps nothing). Its policy's k is bid first: it drafts the k the
+    driver sends back (batch_k.py), never more."""
+    label = drafter.label() if drafter is not None and k else None
+    k = yield bid(policy, label, k, target.offset)
     start, done, n, drafts, proposed = target.offset, False, 0, [], 0
     draft_key, accept_key = mx.random.split(key) if k else (None, key)
     try:
@@ -217,41 +225,54 @@ class Row:
 
 
 class BatchDriver:
-    """One round of several rows at a time, their target passes shared."""
+    """One round of several rows at a time, their target passes shared; `choose`: the rows'
+    K chosen for the batch (batch_k.choose_ks), else each row drafts its own policy's K."""
 
-    def __init__(self, model: nn.Module, vocab_size: int) -> None:
-        self.model, self.vocab_size = model, vocab_size
+    def __init__(self, model: nn.Module, vocab_size: int, choose: bool = True) -> None:
+        self.model, self.vocab_size, self.choose = model, vocab_size, choose
         self.passes = self.shared_rows = 0  # shared passes run, and the rows they verified
+        self.drafts = 0  # drafts the shared passes' rows proposed
+        self.prices = PassPrices()
         self.company = 0  # rows in the round being run (row_rounds' `company`)
 
     def round(self, rows: list[Row]) -> list[tuple[Row, Round | Exception | None]]:
         """Each row's next round: its Round appended to `row.ready` (also returned), None for a
         row still reading its prompt, or the exception that ended it."""
         self.company = len(rows)
-        out: dict[int, Round | Exception | None] = {}
-        feeds: list[tuple[int, Feed]] = []
-        for i, row in enumerate(rows):
-            try:
-                got = next(row.rounds)
-            except Exception as e:  # noqa: BLE001 (this row's end; the others go on)
-                out[i] = e
-                continue
-            if isinstance(got, Feed):
-                feeds.append((i, got))
-            else:
-                out[i] = None if got is PREFILLING else got
+        out: dict[int, Any] = {i: _advance(row, None) for i, row in enumerate(rows)}
+        bids = [(i, got) for i, got in out.items() if isinstance(got, Bid)]
+        ks = self.ks([b for _, b in bids])
+        for (i, _), k in zip(bids, ks, strict=True):
+            out[i] = _advance(rows[i], k)  # the row drafts k: its Feed
+        feeds = [(i, got) for i, got in out.items() if isinstance(got, Feed)]
         if feeds:
+            self.drafts += sum(f.tokens.size - 1 for _, f in feeds)
             self._verify(rows, feeds, out)
         for i, got in out.items():
-            if isinstance(got, Round):
+            if got is PREFILLING:
+                out[i] = None
+            elif isinstance(got, Round):
                 rows[i].ready.append(got)
         return [(row, out[i]) for i, row in enumerate(rows)]
+
+    def ks(self, bids: list[Bid]) -> list[int]:
+        """The K of each row sharing the pass: chosen for the batch where the pair's costs are
+        measured (priced at the longest row's context), else each row's own."""
+        costs = next((b.costs for b in bids if b.costs is not None), None)
+        if not self.choose or costs is None:
+            return [b.k for b in bids]
+        position = max(b.position for b in bids)
+        return choose_ks(bids, self.prices.pricing(costs, position))
 
     def _verify(self, rows: list[Row], feeds: list[tuple[int, Feed]], out: dict) -> None:
         try:
             hidden = any(f.hidden for _, f in feeds)
             passes = [(f.cache, f.tokens) for _, f in feeds]
+            t0 = perf_counter()
             logits = shared_pass(self.model, self.vocab_size, passes, hidden)
+            mx.eval([x for row in logits for x in row if x is not None])
+            width = max(tokens.size for _, tokens in passes)
+            self.prices.observe(len(passes), width, perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 (every row of the pass rewinds and ends)
             for i, _ in feeds:
                 out[i] = _thrown(rows[i], e)
@@ -259,10 +280,7 @@ class BatchDriver:
         self.passes += 1
         self.shared_rows += len(feeds)
         for (i, f), (row_logits, states) in zip(feeds, logits, strict=True):
-            try:
-                out[i] = rows[i].rounds.send((row_logits, states if f.hidden else None))
-            except Exception as e:  # noqa: BLE001
-                out[i] = e
+            out[i] = _advance(rows[i], (row_logits, states if f.hidden else None))
 
 
 def _thrown(row: Row, error: Exception) -> Exception:
@@ -272,3 +290,12 @@ def _thrown(row: Row, error: Exception) -> Exception:
     except Exception as e:  # noqa: BLE001
         return e
     return CacheError("a row went on after its shared pass failed")
+
+
+def _advance(row: Row, value: Any) -> Any:
+    """What the row yields next when sent `value` (None: its next round begins), or the
+    exception that ended it (StopIteration: it finished)."""
+    try:
+        return row.rounds.send(value)
+    except Exception as e:  # noqa: BLE001 (this row's end; the others go on)
+        return e

@@ -30,13 +30,15 @@ def alone_reason(opts: GenerationOptions) -> str:
 
 class BatchScheduler(Scheduler):
     """Scheduler whose requests share target passes where the pair allows (`batch=False`: they
-    take turns, for comparison)."""
+    take turns; `choose=False`: each row drafts its own policy's K; both for comparison)."""
 
-    def __init__(self, pair: Pair, parallel: int = 4, batch: bool = True) -> None:
+    def __init__(
+        self, pair: Pair, parallel: int = 4, batch: bool = True, choose: bool = True
+    ) -> None:
         super().__init__(pair, parallel)
         self.batch = batch
         self.reason: str | None = None if batch else "turned off (--no-batch)"
-        self._driver = BatchDriver(pair.target, pair.vocab_size)
+        self._driver = BatchDriver(pair.target, pair.vocab_size, choose)
         self._rows: dict[int, Row] = {}  # id(job) -> its row, for jobs in the batch
         self.turns = 0  # requests that took turns although batching was on
 
@@ -60,6 +62,11 @@ class BatchScheduler(Scheduler):
         out["rows_per_shared_pass"] = (
             round(self._driver.shared_rows / self._driver.passes, 2)
             if self._driver.passes
+            else None
+        )
+        out["drafts_per_shared_row"] = (
+            round(self._driver.drafts / self._driver.shared_rows, 2)
+            if self._driver.shared_rows
             else None
         )
         out["requests_taking_turns"] = self.turns

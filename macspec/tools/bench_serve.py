@@ -30,16 +30,20 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return json.loads(response.read())
 
 
-def measure(pair: Any, clients: int, batch: bool, per_client: int, max_tokens: int) -> dict:
+def measure(
+    pair: Any, clients: int, batch: bool, per_client: int, max_tokens: int, choose: bool = True
+) -> dict:
     """`clients` clients asking `per_client` requests each, one after the other, all at once:
-    aggregate completion tokens/s, the answers, and the server's /health at the end."""
+    aggregate completion tokens/s, the answers, and the server's /health at the end; `choose`:
+    the batch chooses its rows' K (else each row drafts its own policy's)."""
+    from ..server.batching import BatchScheduler
     from ..server.command import serving
 
     asks = [p.text for p in builtin_prompts()]
     plan = [
         [asks[(c * per_client + i) % len(asks)] for i in range(per_client)] for c in range(clients)
     ]
-    with serving(pair, parallel=clients, batch=batch) as base:
+    with serving(pair, scheduler=BatchScheduler(pair, clients, batch, choose)) as base:
         url = base + "/v1/chat/completions"
 
         def client(texts: list[str]) -> list[dict[str, Any]]:
@@ -65,28 +69,29 @@ def measure(pair: Any, clients: int, batch: bool, per_client: int, max_tokens: i
         "seconds": round(wall, 2),
         "tokens_per_second": round(tokens / wall, 2),
         "rows_per_shared_pass": health.get("rows_per_shared_pass"),
+        "drafts_per_shared_row": health.get("drafts_per_shared_row"),
         "texts": [a["choices"][0]["message"]["content"] for a in answers],
     }
 
 
-def run(pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats: int) -> dict:
-    """Each client count, taking turns then batched, `repeats` times (interleaved)."""
+def run(
+    pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats: int, own_k: bool
+) -> dict:
+    """Each client count, taking turns then batched, `repeats` times (interleaved); `own_k`:
+    also batched with each row drafting its own policy's K (no choice for the batch)."""
     rows = []
     for n in clients:
         for _ in range(repeats):
             turns = measure(pair, n, False, per_client, max_tokens)
             batched = measure(pair, n, True, per_client, max_tokens)
-            rows.append(
-                {
-                    "clients": n,
-                    "turns_tps": turns["tokens_per_second"],
-                    "batched_tps": batched["tokens_per_second"],
-                    "ratio": round(batched["tokens_per_second"] / turns["tokens_per_second"], 3),
-                    "rows_per_shared_pass": batched["rows_per_shared_pass"],
-                    "tokens": batched["completion_tokens"],
-                    "same_answers": turns["texts"] == batched["texts"],
-                }
-            )
+            row = _row(n, turns, batched)
+            if own_k:
+                own = measure(pair, n, True, per_client, max_tokens, choose=False)
+                row["own_k_tps"] = own["tokens_per_second"]
+                row["own_k_ratio"] = round(own["tokens_per_second"] / turns["tokens_per_second"], 3)
+                row["own_k_drafts_per_row"] = own["drafts_per_shared_row"]
+                row["same_answers"] &= own["texts"] == turns["texts"]
+            rows.append(row)
             print(_line(rows[-1]), flush=True)
     return {
         "pair": pair.describe(),
@@ -98,10 +103,28 @@ def run(pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats
     }
 
 
+def _row(n: int, turns: dict[str, Any], batched: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "clients": n,
+        "turns_tps": turns["tokens_per_second"],
+        "batched_tps": batched["tokens_per_second"],
+        "ratio": round(batched["tokens_per_second"] / turns["tokens_per_second"], 3),
+        "rows_per_shared_pass": batched["rows_per_shared_pass"],
+        "drafts_per_row": batched["drafts_per_shared_row"],
+        "tokens": batched["completion_tokens"],
+        "same_answers": turns["texts"] == batched["texts"],
+    }
+
+
 def _line(r: dict[str, Any]) -> str:
+    own = ""
+    if "own_k_tps" in r:
+        own = f" own K: {r['own_k_tps']} ({r['own_k_ratio']}x, "
+        own += f"{r['own_k_drafts_per_row']} drafts/row)"
     return (
         f"| {r['clients']} | {r['turns_tps']} | {r['batched_tps']} | {r['ratio']}x | "
-        f"{r['rows_per_shared_pass']} | {r['tokens']} | {r['same_answers']} |"
+        f"{r['rows_per_shared_pass']} | {r['drafts_per_row']} | {r['tokens']} | "
+        f"{r['same_answers']} |" + own
     )
 
 
@@ -116,12 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument(
+        "--own-k", action="store_true", help="also batched with each row's own K (no choice)"
+    )
     args = p.parse_args(argv)
     pair = macspec.load(args.target, args.draft)
     print(f"{pair.describe()}\n")
-    print("| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | tokens | same |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    result = run(pair, args.clients, args.per_client, args.max_tokens, args.repeats)
+    print(
+        "| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | drafts/row | tokens "
+        "| same |"
+    )
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    result = run(pair, args.clients, args.per_client, args.max_tokens, args.repeats, args.own_k)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
     return 0
