@@ -109,7 +109,6 @@ def generate_rounds(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
-                # The drafter's catch-up after plain steps is not this round's own cost.
                 policy.observe_time(k, v.n + 1, max(0.0, ready - t0 - catch_up_time(drafter)))
                 limits = (eos_ids, generated, max_tokens, context_length)
                 emitted, finish, lps = _emit(
