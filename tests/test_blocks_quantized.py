@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
 from support.tinymodels import chunk_logits, llama_like, make_tiny_model
+from test_blocks import _one_op_at_a_time
 from test_products_int8 import _quantized_copy
 
 import macspec
@@ -36,14 +37,6 @@ def _quantized(module, bits: int, group: int, half: bool, predicate=None):
     return model
 
 
-def _op_by_op(model, chunks):
-    blocks.set_enabled(False)
-    try:
-        return chunk_logits(model, chunks)
-    finally:
-        blocks.set_enabled(True)
-
-
 @pytest.mark.parametrize("int8", [True, False])
 @pytest.mark.parametrize(("bits", "group", "half"), [(4, 64, True), (4, 32, False), (8, 128, True)])
 @pytest.mark.parametrize("module", [llama, qwen2])  # qwen2: biased q/k/v products
@@ -52,7 +45,7 @@ def test_fused_quantized_layers_equal_the_ops_bit_for_bit(
 ):
     monkeypatch.setattr(products, "int8_activations", int8)
     model = _quantized(module, bits, group, half)
-    ops = _op_by_op(model, CHUNKS)
+    ops = _one_op_at_a_time(model, CHUNKS)
     assert native_calls["qkv_rope"] == 0
     fused = chunk_logits(model, CHUNKS)
     assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == len(CHUNKS) * 2
@@ -91,7 +84,7 @@ def test_layers_quantized_unalike_run_op_by_op_and_say_why_once(native_calls, ca
     assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == 0
     said = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
     assert len(said) == 1 and "different bits" in said[0]  # two layers, three passes
-    for a, b in zip(_op_by_op(model, CHUNKS[:3]), got, strict=True):
+    for a, b in zip(_one_op_at_a_time(model, CHUNKS[:3]), got, strict=True):
         np.testing.assert_array_equal(b, a)
 
 

@@ -244,6 +244,16 @@ void scale_tile(const void* a, const size_t* srow, int groups, int g0, float* ta
   }
 }
 
+// Weight rows nb..nb+15 of one 16-row block: their pointers and row indices (lanes past the
+// last row repeat it, and are not stored).
+inline void block_rows(const QProduct& p, int nb, int rows, size_t row_bytes, const uint8_t** rp,
+                       size_t* srow) {
+  for (int r = 0; r < 16; r++) {
+    srow[r] = (size_t)(nb + std::min(r, rows - 1));
+    rp[r] = p.W + srow[r] * row_bytes;
+  }
+}
+
 // Rows [n0, n1) of y for every row of x.
 template <int BITS, ScaleType T>
 void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
@@ -255,10 +265,7 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
     const int rows = std::min(16, n1 - nb);
     const uint8_t* rp[16];
     size_t srow[16];
-    for (int r = 0; r < 16; r++) {  // lanes past the last row repeat it, and are not stored
-      srow[r] = (size_t)(nb + std::min(r, rows - 1));
-      rp[r] = p.W + srow[r] * row_bytes;
-    }
+    block_rows(p, nb, rows, row_bytes, rp, srow);
     for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
       const int mc = std::min(MSUPER, p.M - m0);
       std::fill(facc, facc + mc * 16, 0.0f);
@@ -321,10 +328,7 @@ void q4_row_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
     const int rows = std::min(16, n1 - nb);
     const uint8_t* rp[16];
     size_t srow[16];
-    for (int r = 0; r < 16; r++) {  // lanes past the last row repeat it, and are not stored
-      srow[r] = (size_t)(nb + std::min(r, rows - 1));
-      rp[r] = p.W + srow[r] * row_bytes;
-    }
+    block_rows(p, nb, rows, row_bytes, rp, srow);
     vf f{_mm512_setzero_ps()};
     for (int g = 0; g < groups; g += 2) {
       if (g % 16 == 0) {
