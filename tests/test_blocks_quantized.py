@@ -11,9 +11,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
-from support.tinymodels import chunk_logits, llama_like, make_tiny_model
+from support.tinymodels import chunk_logits, llama_like
 from test_blocks import _one_op_at_a_time
-from test_products_int8 import _quantized_copy
+from test_products_int8 import q4_pair_in
 
 import macspec
 from macspec.cpu import blocks, kernels, native, products
@@ -91,14 +91,7 @@ def test_layers_quantized_unalike_run_op_by_op_and_say_why_once(native_calls, ca
 @pytest.fixture(scope="module")
 def q4_fused_pair(tmp_path_factory):
     """A 4-bit g64 target and a noisy 4-bit copy of it as the draft, layers wide enough to fuse."""
-    root = tmp_path_factory.mktemp("q4fused")
-    kw = {"seed": 0, "hidden": 128, "tie": False}
-    target = make_tiny_model(root / "target", **kw)
-    draft = make_tiny_model(root / "draft", perturb=0.3, **kw)
-    return macspec.load(
-        _quantized_copy(target, root / "tq", group=64),
-        _quantized_copy(draft, root / "dq", group=64),
-    )
+    return q4_pair_in(tmp_path_factory.mktemp("q4fused"), hidden=128, group=64)
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -232,14 +232,20 @@ def _spy_rows(monkeypatch) -> list[tuple[int, bool]]:
     return calls
 
 
-@pytest.fixture(scope="module")
-def q4_pair(tmp_path_factory):
-    """A 4-bit target and a 4-bit noisy copy of it as the draft."""
-    root = tmp_path_factory.mktemp("q4")
-    kw = {"seed": 0, "hidden": 64, "tie": False}
+def q4_pair_in(root: Path, hidden: int, group: int = 32) -> macspec.Pair:
+    """A 4-bit target and a 4-bit noisy copy of it as the draft, made under `root`."""
+    kw = {"seed": 0, "hidden": hidden, "tie": False}
     target = make_tiny_model(root / "target", **kw)
     draft = make_tiny_model(root / "draft", perturb=0.3, **kw)
-    return macspec.load(_quantized_copy(target, root / "tq"), _quantized_copy(draft, root / "dq"))
+    return macspec.load(
+        _quantized_copy(target, root / "tq", group=group),
+        _quantized_copy(draft, root / "dq", group=group),
+    )
+
+
+@pytest.fixture(scope="module")
+def q4_pair(tmp_path_factory):
+    return q4_pair_in(tmp_path_factory.mktemp("q4"), hidden=64)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
