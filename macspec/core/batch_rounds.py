@@ -31,7 +31,18 @@ from .batch_k import Bid, PassPrices, bid, choose_ks
 from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import DistFn, Drafter
-from .loop import Round, Timing, _close, _emit, _max_step, _next_k, _round, _Verdict, _verify
+from .loop import (
+    Round,
+    Timing,
+    _close,
+    _emit,
+    _max_step,
+    _next_k,
+    _observe,
+    _round,
+    _Verdict,
+    _verify,
+)
 from .memory import CacheClearing
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, sample
@@ -99,7 +110,9 @@ def row_rounds(
                 launch = target.takes_lazy_ids and room > 1 and company() == 1
                 args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
                 v = _verify(*args)
-                policy.observe_time(k, v.n + 1, perf_counter() - t0)  # (a shared round's: not)
+                _observe(
+                    policy, drafter, k, v.n + 1, perf_counter() - t0
+                )  # (a shared round's: not)
             else:
                 target.drop_launch()  # a pass launched while it was alone: not shared
                 t0 = perf_counter()

@@ -109,7 +109,7 @@ def generate_rounds(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
-                policy.observe_time(k, v.n + 1, max(0.0, ready - t0 - catch_up_time(drafter)))
+                _observe(policy, drafter, k, v.n + 1, ready - t0)
                 limits = (eos_ids, generated, max_tokens, context_length)
                 emitted, finish, lps = _emit(
                     v, room, history, limits, seen, opts, constraint, logprobs
@@ -149,6 +149,12 @@ def _emit(
     if constraint is not None:
         constraint.commit(emitted)  # always allowed: drawn from masked rows
     return emitted, finish, lps
+
+
+def _observe(policy: Policy, drafter: Drafter | None, k: int, tokens: int, seconds: float) -> None:
+    """Tell the policy a round's time, less the drafter's catch-up after plain steps (the
+    stretch before the round, not the round's own cost)."""
+    policy.observe_time(k, tokens, max(0.0, seconds - catch_up_time(drafter)))
 
 
 def _close(
