@@ -147,53 +147,32 @@ def block_pass(
     checked the rows, mask and cache); this adds the weights' own conditions."""
     if not _enabled or not products.active():
         return None
-    length = x.shape[1]
     weights = _weights(layer)
     if weights is None:
         return None
-    w1, wq, wk, wv, biases, wo, w2, wg, wu, wd, (bits, group) = weights
-    int8 = products.int8_activations
-    attn = layer["self_attn"]
-    eps1, eps2 = layer["input_layernorm"].eps, layer["post_attention_layernorm"].eps
-    positions, end = tree[1:] if tree is not None else (None, offset + length)
-    cos, sin = table.tables(end)
-    q, k, v = ext.qkv_rope(
-        x,
-        w1,
-        eps1,
-        wq,
-        wk,
-        wv,
-        cos,
-        sin,
-        attn.n_heads,
-        attn.n_kv_heads,
-        offset,
-        table.traditional,
-        biases,
-        positions,
-        bits,
-        group,
-        int8,
-    )
+    q, k, v = _qkv_rope(layer, ext, table, offset, tree, x, weights)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
+    w2, wg, wu, wd, (bits, group) = weights[6:]
     causal = tree is None and mask is not None
+    tree_mask = mask if tree is not None else None
     return ext.attn_mlp(
-        x,
-        q,
-        k,
-        v,
-        wo,
-        w2,
-        eps2,
-        wg,
-        wu,
-        wd,
-        attn.scale,
-        causal,
-        mask if tree is not None else None,
-        bits,
-        group,
-        int8,
-    )
+        x, q, k, v, weights[5], w2, layer["post_attention_layernorm"].eps, wg, wu, wd,
+        layer["self_attn"].scale, causal, tree_mask, bits, group, products.int8_activations,
+    )  # fmt: skip
+
+
+def _qkv_rope(
+    layer: nn.Module, ext: Any, table: Any, offset: int, tree: Any, x: mx.array, weights: tuple
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The first primitive: norm, q/k/v products and RoPE of the rows of `x`."""
+    w1, wq, wk, wv, biases = weights[:5]
+    bits, group = weights[-1]
+    attn = layer["self_attn"]
+    positions, end = tree[1:] if tree is not None else (None, offset + x.shape[1])
+    cos, sin = table.tables(end)
+    return ext.qkv_rope(
+        x, w1, layer["input_layernorm"].eps, wq, wk, wv, cos, sin, attn.n_heads,
+        attn.n_kv_heads, offset, table.traditional, biases, positions, bits, group,
+        products.int8_activations,
+    )  # fmt: skip
