@@ -93,13 +93,13 @@ def distribution(
     Order: repetition penalty -> temperature -> top-k -> top-p -> min-p -> renormalise.
     Greedy returns the one-hot of the argmax, so the speculative rule reduces to exact greedy.
     """
+    vocab = logits.shape[-1]
+    if opts.greedy:
+        best = greedy_ids(logits, opts, windows)[:, None]
+        return (mx.arange(vocab)[None] == best).astype(mx.float32)
     logits = logits.astype(mx.float32)
     if opts.repetition_penalty != 1.0 and windows is not None:
         logits = apply_repetition_penalty(logits, windows, opts.repetition_penalty)
-    vocab = logits.shape[-1]
-    if opts.greedy:
-        best = mx.argmax(logits, axis=-1, keepdims=True)
-        return (mx.arange(vocab)[None] == best).astype(mx.float32)
 
     # Each filter sees the renormalised survivors of the one before (as llama.cpp's sampler chain).
     probs = hooks.softmax(logits / opts.temperature)
@@ -117,6 +117,16 @@ def distribution(
         floor = opts.min_p * mx.max(probs, axis=-1, keepdims=True)
         probs = _renormalise(mx.where(probs >= floor, probs, 0.0))
     return probs
+
+
+def greedy_ids(
+    logits: mx.array, opts: SamplingOptions, windows: mx.array | None = None
+) -> mx.array:
+    """The id (rows,) that greedy `distribution` puts all its mass on, without building it."""
+    logits = logits.astype(mx.float32)
+    if opts.repetition_penalty != 1.0 and windows is not None:
+        logits = apply_repetition_penalty(logits, windows, opts.repetition_penalty)
+    return mx.argmax(logits, axis=-1)
 
 
 def _renormalise(probs: mx.array) -> mx.array:

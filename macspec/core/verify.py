@@ -15,7 +15,7 @@ import mlx.core as mx
 from . import hooks
 from .constraint import Constraint, masked
 from .drafters.base import DistFn, Drafter, Proposal
-from .sampling import SamplingOptions, distribution, penalty_windows, sample
+from .sampling import SamplingOptions, distribution, greedy_ids, penalty_windows, sample
 from .target import Target
 
 
@@ -45,7 +45,18 @@ def make_dist(
         probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
         return probs[:, :-1]
 
+    def best(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array:
+        """Greedy: the id (rows,) dist's one-hot rows hold, without building them."""
+        if constraint is not None:
+            logits = masked(logits, constraint, extra, first_row)
+        windows = None
+        if opts.repetition_penalty != 1.0:
+            rows = first_row + logits.shape[0]
+            windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
+        return greedy_ids(logits, opts, windows)
+
     # Rows depend on the ids before them (the penalty's windows, the constraint's state).
+    dist.best = best if opts.greedy else None
     dist.needs_history = opts.repetition_penalty != 1.0 or constraint is not None
     dist.greedy = opts.greedy  # every row is a one-hot: a drafter may take its argmax alone
     dist.constraint = constraint
@@ -68,6 +79,30 @@ def accept(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[m
     residual = mx.maximum(mx.take(p, n, axis=0) - mx.take(q, n, axis=0), 0.0)
     residual = mx.where(mx.sum(residual) > 0, residual, mx.take(p, n, axis=0))
     return n, sample(residual[None], r_key)[0]
+
+
+def accept_greedy(ids: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+    """accept() where p's rows are one-hot at `ids` (k+1,): then u * q(x) < p(x) holds exactly
+    when x is its row's id, and at the first miss max(0, p - q) is p's one-hot again. So the
+    same (n, token), without the (k+1, V) rows."""
+    k = drafts.size
+    n = mx.sum(mx.cumprod((ids[:k] == drafts).astype(mx.int32)))
+    return n, ids[n]
+
+
+def judge(
+    logits: mx.array, proposal: Proposal, dist: DistFn, key: mx.array, seen: list | None = None
+) -> tuple[mx.array, mx.array]:
+    """(n accepted, next token) of a pass's logits (k+1, V) over `proposal`'s k drafts; `seen`
+    gets (logits, drafts, p) appended (log probabilities need the rows: no greedy short cut)."""
+    best = getattr(dist, "best", None)
+    if best is not None and seen is None:
+        return accept_greedy(best(logits, proposal.tokens, 0), proposal.tokens)
+    p = dist(logits, proposal.tokens, 0)
+    if seen is not None:
+        seen.append((logits, proposal.tokens, p))
+    q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
+    return accept(p, q, proposal.tokens, key)
 
 
 def one_hot(tokens: mx.array, vocab: int) -> mx.array:
@@ -104,11 +139,7 @@ def speculative_round(
         mx.async_eval(proposal.tokens)
         with hooks.serial():
             logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
-        p = dist(logits, proposal.tokens, 0)
-        if seen is not None:
-            seen.append((logits, proposal.tokens, p))
-        q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
-        n_arr, token_arr = accept(p, q, proposal.tokens, accept_key)
+        n_arr, token_arr = judge(logits, proposal, dist, accept_key, seen)
         mx.eval(proposal.tokens)
         t1 = perf_counter()
         mx.eval(n_arr, token_arr)
@@ -151,10 +182,14 @@ def plain_step(
     the sampled id starts before the id is read (Target.launch), while Python waits for it.
     `seen`: as speculative_round's."""
     logits = target.logits(mx.array([last]))
-    p = dist(logits, None, 0)
-    if seen is not None:
-        seen.append((logits, None, p))
-    token = sample(p, key)
+    best = getattr(dist, "best", None)
+    if best is not None and seen is None:
+        token = best(logits, None, 0).astype(mx.uint32)  # the one-hot's id: what sample() draws
+    else:
+        p = dist(logits, None, 0)
+        if seen is not None:
+            seen.append((logits, None, p))
+        token = sample(p, key)
     if ahead:
         mx.async_eval(token)  # computed while Python builds the next pass
         target.launch(token)
