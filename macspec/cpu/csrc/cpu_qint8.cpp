@@ -319,7 +319,7 @@ inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
 template <ScaleType T>
 void q4_row_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   const int groups = p.K / 64;
-  const size_t row_bytes = (size_t)p.K / 2;
+  const size_t row_bytes = (size_t)p.K / 2, next_block = 16 * row_bytes;
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512i low = _mm512_set1_epi8(15);
@@ -343,7 +343,9 @@ void q4_row_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
       const size_t at = (size_t)g * 32;
       __m512i A[16];
       for (int r = 0; r < 16; r++) {
-        __builtin_prefetch(rp[r] + at + 512);
+        // The same bytes of the next 16-row block: a lead of one block at any row length (a
+        // lead within the row ran past short rows' ends, into bytes already read).
+        __builtin_prefetch(rp[r] + at + next_block);
         const __m512i w = _mm512_loadu_si512(rp[r] + at);
         const __m512i lo = _mm512_and_si512(w, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), low);
