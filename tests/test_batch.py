@@ -218,6 +218,44 @@ def test_one_shared_pass_gives_each_rows_own_logits(pair):
         assert mx.allclose(states, trunk, atol=1e-4).item()
 
 
+def test_a_shared_pass_reads_each_attention_weight_once_for_all_rows(pair):
+    """llama/qwen2 attention's q/k/v/o products run once over the block (row-wise: each row's
+    logits stay its own, bit for bit, as `_check` finds), not once per row and its padding."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from macspec.core.batch import _check
+
+    attn = pair.target.model.layers[0].self_attn
+    calls = {}
+
+    def counted(name):
+        own = attn[name]
+
+        def call(x):
+            calls[name] = calls.get(name, 0) + 1
+            return own(x)
+
+        return call
+
+    def cache(prompt):
+        c = make_prompt_cache(pair.target)
+        pair.target(mx.array(prompt)[None], cache=c)
+        return c
+
+    feeds = [([3, 4, 5], [6]), ([7], [8, 9, 10, 11]), ([12, 13], [14, 15])]
+    rows = [(cache(p), mx.array(f)) for p, f in feeds]
+    own = {name: attn[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    try:
+        for name in own:
+            attn[name] = counted(name)
+        shared_pass(pair.target, pair.vocab_size, rows)
+    finally:
+        for name, module in own.items():
+            attn[name] = module
+    assert calls == {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1}
+    assert _check(pair.target, pair.vocab_size) == 0.0
+
+
 def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
     """Alone, a row launches a plain step's next pass ahead (Target.launch), as alone it would,
     and drops it when others join."""

@@ -4,6 +4,7 @@ alone; /health says the passes were shared, or why requests take turns."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -100,6 +101,22 @@ def test_a_pair_that_cannot_share_takes_turns(pair, monkeypatch):
     assert got == alone(pair, REQUESTS[:2], 8)
     assert health["batched"] is False and "window" in health["batch_reason"]
     assert health["requests_taking_turns"] == 2
+
+
+def test_the_pair_is_checked_before_the_server_takes_requests(pair, monkeypatch):
+    """shared_reason runs model passes: at startup, not in front of the first request (a lone
+    client used to wait for it). A slow check shows which: the server is up only after it."""
+    from macspec.server import batching
+
+    def slow_check(*args):
+        time.sleep(0.5)
+        return ""
+
+    monkeypatch.setattr(batching, "shared_reason", slow_check)
+    scheduler = BatchScheduler(pair, 2)
+    with serving(pair, scheduler=scheduler) as url:
+        assert scheduler.reason == ""
+        assert httpx.get(url + "/health").json()["batched"] is True
 
 
 def test_constrained_and_logprob_requests_take_turns_beside_a_batch(pair):

@@ -24,7 +24,6 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError
-from . import hooks
 from .target import Target, output_head
 
 
@@ -46,22 +45,70 @@ def _mask(n: int) -> str | None:
     return "causal" if n > 1 else None  # what mlx-lm's KVCache.make_mask gives one row
 
 
+class _Take:
+    """A projection computed once over the whole (B, W) block: a row's call gets its part."""
+
+    def __init__(self, block: mx.array) -> None:
+        self.block, self.at = block, (0, 0, 0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        r, start, stop = self.at
+        return mx.contiguous(self.block[r : r + 1, start:stop])
+
+
+def _passed(x: mx.array) -> mx.array:
+    return x  # o_proj in a row's call: the block's o_proj runs once after every row
+
+
+# Attention whose call is mlx-lm's llama/qwen2 one (macspec's CPU switch keeps its shape): its
+# q/k/v projections read the layer's input alone, and its output is o_proj's.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+def _projects_row_wise(attn: nn.Module) -> bool:
+    from mlx_lm.models import llama, qwen2
+
+    return getattr(type(attn), "_macspec_stock", type(attn)) in (llama.Attention, qwen2.Attention)
+
+
 class _RowsAttention(nn.Module):
     """A layer's attention in a shared pass: each row's real ids, then its padding, through
-    the layer's own attention with the row's own cache, as the row fed alone."""
+    the layer's own attention with the row's own cache, as the row fed alone. Where the
+    attention is llama/qwen2's, its products run once over the block (row-wise, so each row's
+    result is its own), so that the rows do not read the weights once each."""
 
     def __init__(self, attn: nn.Module) -> None:
         super().__init__()
         self.attn = attn
+        self.shares = _projects_row_wise(attn)
 
     def __call__(self, x: mx.array, mask=None, cache: _Rows | None = None) -> mx.array:
         if not isinstance(cache, _Rows):
             raise CacheError("a shared pass's attention needs the rows' caches")
+        if not self.shares:
+            return self._rows(x, cache, [])
+        attn = self.attn
+        own = {name: attn[name] for name in (*_PROJECTIONS, "o_proj")}
+        takes = [_Take(own[name](x)) for name in _PROJECTIONS]
+        try:
+            for name, take in zip(_PROJECTIONS, takes, strict=True):
+                attn[name] = take
+            attn["o_proj"] = _passed
+            out = self._rows(x, cache, takes)
+        finally:
+            for name, module in own.items():
+                attn[name] = module
+        return own["o_proj"](out)
+
+    def _rows(self, x: mx.array, cache: _Rows, takes: list[_Take]) -> mx.array:
         width, outs = x.shape[1], []
         for r, (c, w) in enumerate(zip(cache.caches, cache.widths, strict=True)):
-            parts = [self.attn(x[r : r + 1, :w], mask=_mask(w), cache=c)]
-            if w < width:
-                parts.append(self.attn(x[r : r + 1, w:], mask=_mask(width - w), cache=c))
+            parts = []
+            for start, stop in [(0, w), (w, width)] if w < width else [(0, w)]:
+                for take in takes:
+                    take.at = (r, start, stop)
+                ids = x[r : r + 1, start:stop]
+                parts.append(self.attn(ids, mask=_mask(stop - start), cache=c))
             outs.append(mx.concatenate(parts, axis=1))
         return mx.concatenate(outs)
 
@@ -98,7 +145,9 @@ def shared_pass(
         widths = [tokens.size for _, tokens in rows]
         cache = [_Rows([c[i] for c, _ in rows], widths) for i in range(len(rows[0][0]))]
         per_row = _attention_per_row(model)
-    with hooks.serial(), per_row:  # built whole, as verify.speculative_round builds its pass
+    # Not built whole (hooks.serial): the layers compute while Python builds the rest, as a
+    # lone pass does; the rows' drafts were timed before it.
+    with per_row:
         if hidden:
             states = model.model(block, cache=cache)
             logits = output_head(model, states)

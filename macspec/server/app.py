@@ -46,7 +46,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
-        scheduler.start()
+        await scheduler.start()
         try:
             yield
         finally:

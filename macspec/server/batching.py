@@ -42,15 +42,16 @@ class BatchScheduler(Scheduler):
         self._rows: dict[int, Row] = {}  # id(job) -> its row, for jobs in the batch
         self.turns = 0  # requests that took turns although batching was on
 
-    def _run(self) -> None:
-        if self.reason is None:  # checked on this (MLX's) thread, before the first request
-            self.reason = shared_reason(
-                self.pair.target,
-                self.pair.vocab_size,
-                self.pair.cache_kinds,
-                self.pair.group is not None,
-            )
-        super()._run()
+    async def start(self) -> None:
+        # The check runs model passes: at startup, so that no request waits behind it.
+        if self.reason is None:
+            self.reason = await self.mlx.run(self._check)
+        await super().start()
+
+    def _check(self) -> str:
+        """Why this pair's requests take turns, or "" (on MLX's thread, as its passes are)."""
+        pair = self.pair
+        return shared_reason(pair.target, pair.vocab_size, pair.cache_kinds, pair.group is not None)
 
     def status(self) -> dict[str, Any]:
         out = super().status()
@@ -96,7 +97,7 @@ class BatchScheduler(Scheduler):
         """Start `job`'s generation: a row of the batch where it can be, else on its own."""
         try:
             opts = GenerationOptions.from_kwargs(**job.options)
-            if self.reason or alone_reason(opts):
+            if self.reason != "" or alone_reason(opts):  # None: not checked, so not shared
                 self.turns += bool(self.batch)
                 return True  # _step starts it alone
             ids = prompt_ids(self.pair, job.ids)

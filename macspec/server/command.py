@@ -82,15 +82,13 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30
     )
-    server = _server(config, scheduler)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(
+    ready = (
         f"[macspec] serving {pair.target_path.name} at http://{shown}:{port}/v1 "
-        "(OpenAI-compatible; Ctrl-C stops)",
-        file=sys.stderr,
-        flush=True,
+        "(OpenAI-compatible; Ctrl-C stops)"
     )
+    server = _server(config, scheduler, ready)
     try:
         server.run(sockets=[sock])
     finally:
@@ -100,12 +98,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server(config: Any, scheduler: Any) -> Any:
-    """uvicorn's Server, whose Ctrl-C / SIGTERM first ends the answers in flight (at their next
+def _server(config: Any, scheduler: Any, ready: str) -> Any:
+    """uvicorn's Server, which says `ready` once it takes connections (after the scheduler's
+    startup check), and whose Ctrl-C / SIGTERM first ends the answers in flight (at their next
     round, so that their streams close properly), then exits with status 0."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(ready, file=sys.stderr, flush=True)
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             scheduler.close()
             super().handle_exit(sig, frame)

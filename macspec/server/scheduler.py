@@ -56,7 +56,9 @@ class Scheduler:
 
     # -- from the event loop (or a signal handler)
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Begin taking jobs (awaited by the app before it serves: what it awaits is paid at
+        startup, never by the first request)."""
         self._done = self.mlx.run(self._run)
 
     def submit(self, ids: list[int], options: dict[str, Any]) -> Job:

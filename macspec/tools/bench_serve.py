@@ -77,8 +77,11 @@ def measure(
 def run(
     pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats: int, own_k: bool
 ) -> dict:
-    """Each client count, taking turns then batched, `repeats` times (interleaved); `own_k`:
-    also batched with each row drafting its own policy's K (no choice for the batch)."""
+    """Each client count, taking turns then batched, `repeats` times (interleaved), after one
+    untimed request each way; `own_k`: also batched with each row drafting its own policy's K
+    (no choice for the batch)."""
+    for batch in (False, True):  # untimed: the first requests of a process pay its warm-up
+        measure(pair, 1, batch, 1, max_tokens)
     rows = []
     for n in clients:
         for _ in range(repeats):
