@@ -315,3 +315,48 @@ def test_adaptive_rows_with_their_k_chosen_for_the_batch_get_what_they_get_alone
         assert driver.drafts == 0
     else:
         assert driver.drafts > 0
+
+
+def test_a_float32_pass_holds_no_more_ids_than_give_each_row_its_bits(kinds, monkeypatch):
+    """Past MAX_ROWS ids the float32 products leave the native kernel for BLAS, which rounds a
+    row differently beside others: four rows of 5 ids run as passes of at most 16 ids, and
+    each answer is what it gets alone, greedy and by seed."""
+    from macspec.core import batch_rounds
+    from macspec.cpu import products
+
+    if not products.active():
+        pytest.skip("no native products here")
+    widths = []
+    real = batch_rounds.shared_pass
+
+    def recorded(model, vocab, rows, hidden=False):
+        widths.append(len(rows) * max(t.size for _, t in rows))
+        return real(model, vocab, rows, hidden)
+
+    monkeypatch.setattr(batch_rounds, "shared_pass", recorded)
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        opts = {"max_tokens": 16, "adaptive": False, "num_draft": 4, **options}
+        requests = [(kinds["ngram"], PROMPTS[1], opts)] * 2 + [
+            (kinds["model"], p, opts) for p in PROMPTS[:2]
+        ]
+        driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+        assert driver.max_ids == products.MAX_ROWS
+        got, _ = run_batch(driver, requests)
+        assert got == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert max(widths) <= products.MAX_ROWS and driver.shared_rows > driver.passes
+
+
+def test_pass_groups_keep_each_pass_within_its_ids():
+    from macspec.core.batch_rounds import pass_groups
+
+    class F:
+        def __init__(self, n):
+            self.tokens = mx.zeros((n,))
+
+    feeds = [(i, F(n)) for i, n in enumerate([5, 1, 5, 3, 20, 5])]
+    assert pass_groups(feeds, None) == [feeds]
+    groups = pass_groups(feeds, 16)
+    assert sorted(i for g in groups for i, _ in g) == list(range(6))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(f.tokens.size for _, f in g) <= 16
+    assert [[i for i, _ in g] for g in groups] == [[1, 3, 0], [2, 5], [4]]

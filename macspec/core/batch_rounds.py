@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CacheError, OptionError
-from . import caches
+from . import caches, hooks
 from .batch import can_share, shared_pass
 from .batch_k import Bid, PassPrices, bid, choose_ks
 from .caches import Hit, PromptCache
@@ -247,6 +247,7 @@ class BatchDriver:
         self.drafts = 0  # drafts the shared passes' rows proposed
         self.prices = PassPrices()
         self.company = 0  # rows in the round being run (row_rounds' `company`)
+        self.max_ids = hooks.alike_rows(model)  # ids a pass may hold, rows alike to alone
 
     def round(self, rows: list[Row]) -> list[tuple[Row, Round | Exception | None]]:
         """Each row's next round: its Round appended to `row.ready` (also returned), None for a
@@ -260,7 +261,8 @@ class BatchDriver:
         feeds = [(i, got) for i, got in out.items() if isinstance(got, Feed)]
         if feeds:
             self.drafts += sum(f.tokens.size - 1 for _, f in feeds)
-            self._verify(rows, feeds, out)
+            for group in pass_groups(feeds, self.max_ids):
+                self._verify(rows, group, out)
         for i, got in out.items():
             if got is PREFILLING:
                 out[i] = None
@@ -294,6 +296,21 @@ class BatchDriver:
         self.shared_rows += len(feeds)
         for (i, f), (row_logits, states) in zip(feeds, logits, strict=True):
             out[i] = _advance(rows[i], (row_logits, states if f.hidden else None))
+
+
+def pass_groups(feeds: list[tuple[int, Feed]], max_ids: int | None) -> list[list]:
+    """The rows' feeds in passes of at most `max_ids` ids each (rows x the widest feed; a feed
+    wider than that alone, as it would run alone), narrow feeds together; None: one pass."""
+    if max_ids is None:
+        return [feeds]
+    groups: list[list] = []
+    for feed in sorted(feeds, key=lambda f: f[1].tokens.size):
+        # sorted by width: the feed is the widest of its group
+        if groups and (len(groups[-1]) + 1) * feed[1].tokens.size <= max_ids:
+            groups[-1].append(feed)
+        else:
+            groups.append([feed])
+    return groups
 
 
 def _thrown(row: Row, error: Exception) -> Exception:

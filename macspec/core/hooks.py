@@ -34,6 +34,10 @@ def _unchanged(*args: Any) -> int:
     return 0
 
 
+def _any_rows(model: nn.Module) -> int | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Hooks:
     """The replaceable parts, each with its plain-mlx default.
@@ -48,7 +52,9 @@ class Hooks:
     - accelerate_model(model): switch a loaded model's layers to faster ones; how many changed;
     - accelerate_layers(module, layers): the same for a drafter's own decoder layers (and the
       products of `module`);
-    - setup(): what of the accelerator is active, as plain data (measured costs depend on it)."""
+    - setup(): what of the accelerator is active, as plain data (measured costs depend on it);
+    - alike_rows(model): the most ids one pass of `model` may hold for each row's results to be
+      the very bits that row gets in a pass of its own (None: any number)."""
 
     name: str = "mlx"
     softmax: Callable[[mx.array], mx.array] = _softmax
@@ -58,6 +64,7 @@ class Hooks:
     accelerate_model: Callable[[nn.Module], int] = _unchanged
     accelerate_layers: Callable[[nn.Module, list], int] = _unchanged
     setup: Callable[[], dict] = field(default=dict)
+    alike_rows: Callable[[nn.Module], int | None] = _any_rows
 
 
 _installed = Hooks()
@@ -100,3 +107,7 @@ def accelerate_layers(module: nn.Module, layers: list) -> int:
 
 def setup() -> dict:
     return _installed.setup()
+
+
+def alike_rows(model: nn.Module) -> int | None:
+    return _installed.alike_rows(model)

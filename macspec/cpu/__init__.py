@@ -62,6 +62,7 @@ HOOKS = hooks.Hooks(
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,
+    alike_rows=products.alike_rows,
 )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .. import switches
 from . import native
@@ -130,6 +131,18 @@ METHODS: dict[type, dict[str, Any]] = {
     nn.Embedding: {"as_linear": embedding_as_linear},
     nn.QuantizedEmbedding: {"as_linear": quantized_embedding_as_linear},
 }
+
+
+def alike_rows(model: nn.Module) -> int | None:
+    """hooks.alike_rows: a float32 product of up to MAX_ROWS rows gives each row the same bits
+    whatever the others (the native kernel); past that BLAS blocks rows together, and rounds
+    differently. Quantized products are native at any row count."""
+    if not active():
+        return None
+    for name, w in tree_flatten(model.parameters()):
+        if w.ndim == 2 and w.dtype == mx.float32 and not name.endswith(("scales", "biases")):
+            return MAX_ROWS
+    return None
 
 
 def float32_activations(model: nn.Module) -> bool:
