@@ -216,6 +216,14 @@ class _Arm:
 
 
 @dataclass
+class _PairArm(_Arm):
+    """A label's acceptance over a loaded pair's generations (AdaptiveK.kept): a window of
+    about fifty rounds, so that one answer the draft did poorly on does not decide the next."""
+
+    DECAY: ClassVar[float] = 0.98
+
+
+@dataclass
 class AdaptiveK:
     """Pick K maximising expected tokens per second; fall back to plain decoding (K = 0) when
     even the best K is expected to lose against it, and probe again later.
@@ -237,7 +245,7 @@ class AdaptiveK:
     # what its labels mean); a label not listed starts at _Arm's default.
     priors: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
-    # The pair's arms from its earlier generations (label -> _Arm), kept up to date here: a
+    # The pair's acceptance over its generations (label -> _PairArm), kept up to date here: a
     # label's first arm starts from its kept one (_Arm.carried) where that beats the prior,
     # which may be far below this pair's acceptance and would decide every answer's start.
     kept: dict | None = None
@@ -266,15 +274,12 @@ class AdaptiveK:
         if label not in self.arms:
             arm = _Arm(prior=self.priors.get(label, _Arm.prior))
             before = None if self.kept is None else self.kept.get(label)
-            # Only a history better than the prior is carried: a poor answer says little about
-            # the next one's content, and a false fallback (8, 16, 32 plain steps) costs more
-            # than the few losing rounds that find a poor draft.
+            # Only a history better than the prior is carried: a false fallback (8, 16, 32
+            # plain steps) costs more than the few losing rounds that find a poor draft.
             if before is not None and before.alpha > arm.alpha:
                 arm = before.carried(self.CARRY)
             arm.backoff = self.probe_after
             self.arms[label] = arm
-            if self.kept is not None:
-                self.kept[label] = arm
         return self.arms[label]
 
     @property
@@ -331,6 +336,9 @@ class AdaptiveK:
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             self.arm(self._last).observe(k, accepted)
+            if self.kept is not None:
+                prior = self.priors.get(self._last, _Arm.prior)
+                self.kept.setdefault(self._last, _PairArm(prior=prior)).observe(k, accepted)
 
     def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
         pass  # priced by the measured costs alone (Observed adds the round times)
