@@ -380,7 +380,7 @@ def _trees(opts: GenerationOptions) -> int:
 def _policy(opts: GenerationOptions, pair: Pair) -> Observed:
     """The adaptive policy priced by the measured costs, checked against the round times this
     pair observes (its plain steps from now, not the load's: the machine's load moves)."""
-    adaptive_k = adaptive(opts.num_draft, pair.costs, _trees(opts))
+    adaptive_k = adaptive(opts.num_draft, pair.costs, _trees(opts), pair.observations.acceptance)
     return Observed(adaptive_k, pair.observations)
 
 

@@ -76,6 +76,39 @@ def test_a_cheaper_k_that_pays_is_run_in_place_of_a_losing_one():
     assert not policy.expects_plain()
 
 
+def test_a_proposed_k_that_pays_runs_though_a_cheaper_arm_looked_faster():
+    seen = Observations()
+    seen.plain.add(1.0, 1)
+    seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0, runs=5)  # 0.5 s a token
+    seen.arms[(None, 4)] = Tally(seconds=1.6, tokens=2.0, rounds=1.0, runs=5)  # 0.8 s: pays
+    policy = Observed(Proposes(4), seen)
+    assert [policy.next_k() for _ in range(3)] == [4, 4, 4]
+
+
+def test_a_cheaper_k_in_place_of_a_losing_one_gives_way_to_a_probe():
+    seen = Observations()
+    seen.plain.add(1.0, 1)
+    seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0, runs=5)
+    seen.arms[(None, 4)] = Tally(seconds=4.0, tokens=2.0, rounds=1.0, runs=5)  # 2 s: loses
+    policy = Observed(Proposes(4), seen)
+    # K=1 stands in, and after FIRST_WAIT such rounds K=4 is timed again (its tally may be old).
+    chosen = play(policy, Observed.FIRST_WAIT + 1, lambda k: 1.0 if k == 1 else 0.8, lambda k: 2)
+    assert chosen == [1] * Observed.FIRST_WAIT + [4]
+    assert policy.next_k() == 4  # the probe's 0.4 s a token (the old rounds faded) pays
+
+
+def test_a_new_generation_after_a_poor_one_probes_within_first_wait():
+    seen = Observations()
+    poor = Observed(Proposes(2), seen)
+    poor.observe_time(0, 1, 1.0)
+    play(poor, 300, lambda k: 3.0, lambda k: 1)  # losing probes: waits at MAX_WAIT
+    assert seen.waits[None] == Observed.MAX_WAIT
+    # The next prompt's draft pays: its generation probes as a first loss would.
+    chosen = play(Observed(Proposes(2), seen), Observed.FIRST_WAIT + 2, lambda k: 0.5, lambda k: 3)
+    assert chosen == [0] * Observed.FIRST_WAIT + [2, 2]
+    assert seen.arms[(None, 2)].runs > 2  # its tallies were kept
+
+
 def test_arms_are_kept_per_label():
     policy = Observed(Proposes(3))
     policy.observe_time(0, 1, 1.0)

@@ -59,6 +59,9 @@ class Observations:
     arms: dict[Arm, Tally] = field(default_factory=dict)
     waits: dict[Label, int] = field(default_factory=dict)  # vetoed rounds between two probes
     vetoed: dict[Label, int] = field(default_factory=dict)  # vetoed rounds since the last probe
+    # label -> the inner policy's acceptance estimates (policy.AdaptiveK.kept), for the next
+    # generation to start from
+    acceptance: dict = field(default_factory=dict)
 
 
 def _depth(k: int | TreeShape) -> int:
@@ -73,11 +76,14 @@ class Observed:
     emitted token of arm a, both decaying averages of this pair's own rounds:
       - the inner policy proposes k (priced by the measured costs); k = 0 is a plain step;
       - an arm (L, k) run fewer than two times yet is run (a first look);
-      - else the arm with the least s among (L, k) and the run arms (L, j) with j < k is run if
-        s <= (1 + slack) * p (a cheaper K where the proposed one loses);
-      - else a plain step; after `waits[L]` such steps the proposed arm runs once (a probe, its
-        old rounds faded as if those steps had been its own), and each losing probe doubles
-        the wait, from FIRST_WAIT up to MAX_WAIT steps; a winning one resets it.
+      - else (L, k) is run if s(L, k) <= (1 + slack) * p (it pays);
+      - else, after `waits[L]` rounds in place of it, the proposed arm runs once (a probe, its
+        old rounds faded as if those rounds had been its own); each losing probe doubles the
+        wait, from FIRST_WAIT up to MAX_WAIT rounds; a winning one resets it;
+      - else the run arm (L, j), j < k, with the least s, if it pays (a cheaper K in place of
+        the losing one), or a plain step.
+    A new generation (new content) starts every label's wait at FIRST_WAIT again; the tallies,
+    which say what this machine's rounds cost, are kept.
     """
 
     inner: Policy
@@ -112,23 +118,36 @@ class Observed:
             self._arm = (label, k)
         return k
 
+    def __post_init__(self) -> None:
+        # One Observed per generation: a label that lost on the last prompt is probed soon on
+        # this one, where the draft may know the content (a waits doubled to MAX_WAIT there
+        # would keep a paying draft idle for most of a short answer).
+        self.seen.waits.clear()
+        self.seen.vetoed.clear()
+
     def choose(self, label: Label, k: int | TreeShape) -> int | TreeShape:
         """The choice rule above, for a proposal of k drafts with label `label`."""
         seen = self.seen
-        if seen.plain.rounds == 0 or seen.arms.get((label, k), Tally()).runs < self.FIRST_LOOK:
+        proposed = seen.arms.get((label, k))
+        if seen.plain.rounds == 0 or proposed is None or proposed.runs < self.FIRST_LOOK:
             return k
-        runs = [(label, k)] + [
-            a for a in seen.arms if a[0] == label and isinstance(a[1], int) and a[1] < _depth(k)
-        ]
-        best = min(runs, key=lambda a: seen.arms[a].per_token)
-        if self.pays(seen.arms[best]):
-            return best[1]
+        # The inner policy's K weighs the acceptance of the last rounds: where its arm pays it
+        # stands, even if a cheaper arm's tally looks faster (that tally may be old, from other
+        # content, and only the arm that runs would ever update it).
+        if self.pays(proposed):
+            return k
         steps = seen.vetoed.get(label, 0)
         if steps >= seen.waits.get(label, self.FIRST_WAIT):
             seen.vetoed[label], self._probing = 0, True
-            seen.arms[(label, k)].fade(steps)  # its rounds are older by those plain steps
+            proposed.fade(steps)  # its rounds are older by those rounds
             return k  # a probe: the proposed arm's time again
         seen.vetoed[label] = steps + 1
+        cheaper = [
+            a for a in seen.arms if a[0] == label and isinstance(a[1], int) and a[1] < _depth(k)
+        ]
+        best = min(cheaper, key=lambda a: seen.arms[a].per_token, default=None)
+        if best is not None and self.pays(seen.arms[best]):
+            return best[1]
         self._vetoing = True
         return 0
 

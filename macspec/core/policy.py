@@ -193,6 +193,17 @@ class _Arm:
             total += run
         return total
 
+    def carried(self, weight: float) -> _Arm:
+        """A new generation's start from this arm: its counts scaled to at most `weight` rounds
+        (what this pair's drafts were accepted at, soon outweighed by the new content's), and
+        no fallback pending."""
+        f = min(1.0, weight / self.trials[0]) if self.trials and self.trials[0] > 0 else 1.0
+        return _Arm(
+            prior=self.prior,
+            accepts=[f * a for a in self.accepts],
+            trials=[f * t for t in self.trials],
+        )
+
     def observe(self, k: int, accepted: int) -> None:
         """Positions 1..accepted were accepted; position accepted+1, if drafted, was not."""
         reached = min(accepted + 1, k)
@@ -202,6 +213,14 @@ class _Arm:
         for i in range(len(self.trials)):
             self.accepts[i] = self.DECAY * self.accepts[i] + (i < accepted)
             self.trials[i] = self.DECAY * self.trials[i] + (i < reached)
+
+
+@dataclass
+class _PairArm(_Arm):
+    """A label's acceptance over a loaded pair's generations (AdaptiveK.kept): a window of
+    about fifty rounds, so that one answer the draft did poorly on does not decide the next."""
+
+    DECAY: ClassVar[float] = 0.98
 
 
 @dataclass
@@ -226,11 +245,16 @@ class AdaptiveK:
     # what its labels mean); a label not listed starts at _Arm's default.
     priors: dict = field(default_factory=dict)
     arms: dict = field(default_factory=dict)
+    # The pair's acceptance over its generations (label -> _PairArm), kept up to date here: a
+    # label's first arm starts from its kept one (_Arm.carried) where that beats the prior,
+    # which may be far below this pair's acceptance and would decide every answer's start.
+    kept: dict | None = None
     _last: Label = None
     _now: Costs | None = None  # the costs at the context of the round being chosen
     _at: int = -1
 
     PRICE_STEP: ClassVar[int] = 64  # positions between two re-pricings of the costs
+    CARRY: ClassVar[float] = 4.0  # rounds' weight an earlier generation's acceptance keeps
 
     @property
     def max_k(self) -> int:
@@ -248,8 +272,14 @@ class AdaptiveK:
 
     def arm(self, label: Label) -> _Arm:
         if label not in self.arms:
-            prior = self.priors.get(label, _Arm.prior)
-            self.arms[label] = _Arm(prior=prior, backoff=self.probe_after)
+            arm = _Arm(prior=self.priors.get(label, _Arm.prior))
+            before = None if self.kept is None else self.kept.get(label)
+            # Only a history better than the prior is carried: a false fallback (8, 16, 32
+            # plain steps) costs more than the few losing rounds that find a poor draft.
+            if before is not None and before.alpha > arm.alpha:
+                arm = before.carried(self.CARRY)
+            arm.backoff = self.probe_after
+            self.arms[label] = arm
         return self.arms[label]
 
     @property
@@ -306,6 +336,9 @@ class AdaptiveK:
     def observe(self, k: int, accepted: int) -> None:
         if k > 0:
             self.arm(self._last).observe(k, accepted)
+            if self.kept is not None:
+                prior = self.priors.get(self._last, _Arm.prior)
+                self.kept.setdefault(self._last, _PairArm(prior=prior)).observe(k, accepted)
 
     def observe_time(self, k: int | TreeShape, tokens: int, seconds: float) -> None:
         pass  # priced by the measured costs alone (Observed adds the round times)
@@ -319,11 +352,16 @@ class AdaptiveK:
 COPY_FACTOR = 4
 
 
-def adaptive(num_draft: int, costs: Costs, tree_nodes: int = 0) -> AdaptiveK | AdaptiveTree:
+def adaptive(
+    num_draft: int, costs: Costs, tree_nodes: int = 0, kept: dict | None = None
+) -> AdaptiveK | AdaptiveTree:
     """The default policy: K up to num_draft for model drafts, copies up to COPY_FACTOR times
-    that, each copy graded by its match length from its measured prior; with `tree_nodes`,
-    token trees of up to that many candidates where they are expected to pay."""
-    chain = AdaptiveK(num_draft, costs, copy_max=COPY_FACTOR * num_draft, priors=COPY_PRIORS)
+    that, each copy graded by its match length from its measured prior (or from `kept`, the
+    pair's acceptance in earlier generations: AdaptiveK.kept); with `tree_nodes`, token trees
+    of up to that many candidates where they are expected to pay."""
+    chain = AdaptiveK(
+        num_draft, costs, copy_max=COPY_FACTOR * num_draft, priors=COPY_PRIORS, kept=kept
+    )
     if not tree_nodes:
         return chain
     shapes = tuple(TreeShape(num_draft, width, tree_nodes) for width in (2, 3))
