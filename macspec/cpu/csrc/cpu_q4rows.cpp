@@ -1,10 +1,10 @@
-// Int8 products of 1 to 8 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
+// Int8 products of 1 to 4 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
 // q8_chunk's 16 x 16 byte transposes (cpu_qint8.cpp), whose shuffles cost more than reading the
 // weights at these row counts. Two kernels, each reading 64 bytes (two groups) of 16 weight rows
 // at a time:
 // - 1-2 rows (row_pass): a vector a weight row, as it lies; its 16 lanes summed per group after
 //   the dot products (sum_lanes), once per row of x;
-// - 3-8 rows (quad_pass): a vector 16 bytes of 4 rows (one load and three inserts), x's 16 bytes
+// - 3-4 rows (quad_pass): a vector 16 bytes of 4 rows (one load and three inserts), x's 16 bytes
 //   repeated in its quarters; a row's 4 lanes summed after (sum_quads), a third of sum_lanes.
 // Both prefetch the next 16-row block into L2 as well: the hardware prefetcher does not follow
 // 16 interleaved streams far enough ahead to keep the memory busy.
@@ -22,7 +22,7 @@ namespace macspec::q8 {
 
 namespace {
 
-constexpr int MAX_ROWS = 8;  // past this q8_chunk, whose rows cost dot products alone, is cheaper
+constexpr int MAX_ROWS = 4;  // past this q8_chunk, whose rows cost dot products alone, is cheaper
 constexpr int ROW_ROWS = 2;  // row_pass up to this many rows, quad_pass past it
 
 // The lines of 16 weight rows that the next two groups' loads read after `at`, and the same

@@ -8,7 +8,7 @@
 // Weights stay in MLX's layout (no repacked copy beside the model's): each 16-byte piece of 16
 // rows is transposed on the fly so that a vector holds 4 weights of each row, one row a lane,
 // into a small buffer that every row of x then reads. Each lane's sums are exact integers and its
-// float steps are the same whatever M, the threads or the instruction set. A pass of up to 8
+// float steps are the same whatever M, the threads or the instruction set. A pass of up to 4
 // rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernels instead, with AVX-512 VNNI.
 
 #include <algorithm>
