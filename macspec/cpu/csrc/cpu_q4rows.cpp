@@ -16,6 +16,8 @@
 #include "common.h"
 #include "qint8.h"
 
+#if defined(MACSPEC_INT8)  // else the float products take every product
+
 namespace macspec::q8 {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -244,3 +246,5 @@ template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, 
 template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
 
 }  // namespace macspec::q8
+
+#endif  // MACSPEC_INT8

@@ -3,14 +3,13 @@
 #pragma once
 
 #include "qdot.h"
+#include "quant.h"
 
 #if defined(MACSPEC_INT8)
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
-
-#include "quant.h"
 
 namespace macspec::q8 {
 
