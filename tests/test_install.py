@@ -80,7 +80,10 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     # the native kernels' sources, built on the user's machine
     assert {
         f"macspec/cpu/csrc/{n}"
-        for n in ("cpu_linear.cpp", "cpu_qint8.cpp", "cpu_layer.cpp", "common.h", "qdot.h")
+        for n in (
+            *("cpu_linear.cpp", "cpu_qint8.cpp", "cpu_q4rows.cpp", "cpu_layer.cpp"),
+            *("common.h", "qdot.h", "qint8.h"),
+        )
     } <= names
 
 

@@ -37,10 +37,13 @@ SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCE = SOURCE_DIR / "cpu_linear.cpp"  # the products, and the module's bindings
 SOURCES = (
     SOURCE,
-    *(SOURCE_DIR / f"cpu_{n}.cpp" for n in ("layer", "attention", "block", "qfloat", "qint8")),
+    *(
+        SOURCE_DIR / f"cpu_{n}.cpp"
+        for n in ("layer", "attention", "block", "qfloat", "qint8", "q4rows")
+    ),
 )
 HEADERS = tuple(
-    SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16", "quant", "qdot")
+    SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16", "quant", "qdot", "qint8")
 )
 MODULE = "_macspec_cpu"
 

@@ -8,7 +8,8 @@
 // Weights stay in MLX's layout (no repacked copy beside the model's): each 16-byte piece of 16
 // rows is transposed on the fly so that a vector holds 4 weights of each row, one row a lane,
 // into a small buffer that every row of x then reads. Each lane's sums are exact integers and its
-// float steps are the same whatever M, the threads or the instruction set.
+// float steps are the same whatever M, the threads or the instruction set. A pass of up to 4
+// rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernels instead, with AVX-512 VNNI.
 
 #include <algorithm>
 #include <cmath>
@@ -17,8 +18,7 @@
 #include <vector>
 
 #include "common.h"
-#include "qdot.h"
-#include "quant.h"
+#include "qint8.h"
 
 namespace macspec {
 
@@ -34,16 +34,6 @@ namespace {
 
 constexpr int SLAB = 256;  // columns of 16 rows unpacked at a time (4-8 KB, in L1)
 constexpr int MSUPER = 64;  // rows of x whose float sums are kept at a time
-
-// x quantized per group: int8 in the order the weight vectors are unpacked, 4 bytes (one dword)
-// at a time, dword-major (q[v * M + m]: the rows of one pass are next to each other); and per
-// group d = max|x| / 127, d * sum(q) and sum(q), group-major as well.
-struct QuantizedX {
-  int M;
-  std::vector<int32_t> q;  // K / 4 * M
-  std::vector<float> d, ds;  // groups * M
-  std::vector<int32_t> sum;  // groups * M
-};
 
 // One group of one row. A row holding inf or NaN gets a NaN scale, so that its results are NaN
 // as the float products' would be.
@@ -229,31 +219,6 @@ void rows_dispatch(int rows, const Slab& s, const QuantizedX& xq, int m0, float*
   rows_pass<BITS, MB>(s, xq, m0, facc);
 }
 
-// Scales (or biases) of 16 groups from g0 of rows srow[0..15], as table[j * 16 + r].
-template <ScaleType T>
-void scale_tile(const void* a, const size_t* srow, int groups, int g0, float* table) {
-  const auto* e = static_cast<const scale_elem<T>*>(a);
-  const int n = std::min(16, groups - g0);
-  vf rows[16];
-  for (int r = 0; r < 16; r++) {
-    rows[r] = load_scales(e + srow[r] * groups + g0, n);
-  }
-  transpose(rows);
-  for (int j = 0; j < n; j++) {
-    storef(table + j * 16, rows[j]);
-  }
-}
-
-// Weight rows nb..nb+15 of one 16-row block: their pointers and row indices (lanes past the
-// last row repeat it, and are not stored).
-inline void block_rows(const QProduct& p, int nb, int rows, size_t row_bytes, const uint8_t** rp,
-                       size_t* srow) {
-  for (int r = 0; r < 16; r++) {
-    srow[r] = (size_t)(nb + std::min(r, rows - 1));
-    rp[r] = p.W + srow[r] * row_bytes;
-  }
-}
-
 // Rows [n0, n1) of y for every row of x.
 template <int BITS, ScaleType T>
 void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
@@ -289,90 +254,12 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define MACSPEC_Q4_ROW 1
-
-// A[r] lanes 0-7: weight row r's partial sums over one group, lanes 8-15 over the next one; out
-// the two groups' sums, row r in lane r (integer adds: exact, in any order).
-inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
-  __m512i B[8], C[4];
-  for (int k = 0; k < 8; k++) {  // quarter q: rows 2k, 2k + 1, two partial sums each
-    B[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(A[2 * k], A[2 * k + 1]),
-                            _mm512_unpackhi_epi32(A[2 * k], A[2 * k + 1]));
-  }
-  for (int j = 0; j < 4; j++) {  // quarter q: rows 4j..4j+3 over the quarter's lanes
-    C[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(B[2 * j], B[2 * j + 1]),
-                            _mm512_unpackhi_epi64(B[2 * j], B[2 * j + 1]));
-  }
-  const __m512i E01 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[0], C[1], 0x88),
-                                       _mm512_shuffle_i32x4(C[0], C[1], 0xdd));
-  const __m512i E23 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[2], C[3], 0x88),
-                                       _mm512_shuffle_i32x4(C[2], C[3], 0xdd));
-  first = _mm512_shuffle_i32x4(E01, E23, 0x88);
-  second = _mm512_shuffle_i32x4(E01, E23, 0xdd);
-}
-
-// One row of x by 4-bit weights in groups of 64 (K a multiple of 128): each weight row read as
-// it lies, 64 bytes (two groups) a vector, its lanes summed afterwards (sum_lanes), instead of
-// transposing 16 rows' bytes first, which bounds q8_chunk at one row of x. The integer sums are
-// q8_chunk's exact numbers and the float steps the same, lane by lane: the same bits.
-template <ScaleType T>
-void q4_row_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  const int groups = p.K / 64;
-  const size_t row_bytes = (size_t)p.K / 2, next_block = 16 * row_bytes;
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i low = _mm512_set1_epi8(15);
-  alignas(64) float scale[16 * 16], bias[16 * 16];
-  for (int nb = n0; nb < n1; nb += 16) {
-    const int rows = std::min(16, n1 - nb);
-    const uint8_t* rp[16];
-    size_t srow[16];
-    block_rows(p, nb, rows, row_bytes, rp, srow);
-    vf f{_mm512_setzero_ps()};
-    for (int g = 0; g < groups; g += 2) {
-      if (g % 16 == 0) {
-        scale_tile<T>(p.scales, srow, groups, g, scale);
-        scale_tile<T>(p.biases, srow, groups, g, bias);
-      }
-      const int32_t* xg = xq.q.data() + (size_t)g * 16;  // 16 dwords a group
-      const __m512i x0 = _mm512_loadu_si512(xg), x1 = _mm512_loadu_si512(xg + 16);
-      // x's dwords alternate low and high nibbles' columns (quantize_group's order)
-      const __m512i xl = _mm512_permutex2var_epi32(x0, even, x1);
-      const __m512i xh = _mm512_permutex2var_epi32(x0, odd, x1);
-      const size_t at = (size_t)g * 32;
-      __m512i A[16];
-      for (int r = 0; r < 16; r++) {
-        // The same bytes of the next 16-row block: a lead of one block at any row length (a
-        // lead within the row ran past short rows' ends, into bytes already read).
-        __builtin_prefetch(rp[r] + at + next_block);
-        const __m512i w = _mm512_loadu_si512(rp[r] + at);
-        const __m512i lo = _mm512_and_si512(w, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), low);
-        A[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
-      }
-      __m512i s0, s1;
-      sum_lanes(A, s0, s1);
-      const int j = g % 16;
-      f = accumulate(f, vi{s0}, loadf(scale + j * 16), xq.d[g], loadf(bias + j * 16), xq.ds[g]);
-      f = accumulate(f, vi{s1}, loadf(scale + j * 16 + 16), xq.d[g + 1],
-                     loadf(bias + j * 16 + 16), xq.ds[g + 1]);
-    }
-    alignas(64) float out[16];
-    storef(out, f);
-    std::copy(out, out + rows, p.y + nb);
-  }
-}
-#endif
-
 template <ScaleType T>
 void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-#if defined(MACSPEC_Q4_ROW)
-  if (p.bits == 4 && p.M == 1 && p.group == 64 && p.K % 128 == 0) {
-    q4_row_chunk<T>(p, xq, n0, n1);
+  if (!xq.rows.empty()) {
+    q4_rows_chunk<T>(p, xq, n0, n1);
     return;
   }
-#endif
   if (p.bits == 4) {
     q8_chunk<4, T>(p, xq, n0, n1);
   } else {
@@ -395,6 +282,9 @@ void q_int8_products(const QProduct* ps, int count) {
       xq[j] = xq[j - 1];
     } else {
       quantize_x(p, xqs[j]);
+      if (q4_rows_run(p)) {
+        q4_rows_prepare(p, xqs[j]);
+      }
       xq[j] = &xqs[j];
     }
     N[j] = p.N;

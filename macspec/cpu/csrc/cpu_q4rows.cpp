@@ -1,0 +1,250 @@
+// Int8 products of 1 to 4 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
+// q8_chunk's 16 x 16 byte transposes (cpu_qint8.cpp), whose shuffles cost more than reading the
+// weights at these row counts. Two kernels, each reading 64 bytes (two groups) of 16 weight rows
+// at a time:
+// - 1-2 rows (row_pass): a vector a weight row, as it lies; its 16 lanes summed per group after
+//   the dot products (sum_lanes), once per row of x;
+// - 3-4 rows (quad_pass): a vector 16 bytes of 4 rows (one load and three inserts), x's 16 bytes
+//   repeated in its quarters; a row's 4 lanes summed after (sum_quads), a third of sum_lanes.
+// Both prefetch the next 16-row block into L2 as well: the hardware prefetcher does not follow
+// 16 interleaved streams far enough ahead to keep the memory busy.
+// The integer sums are q8_chunk's exact numbers and the float steps the same, lane by lane,
+// group by group in order: the same bits whichever kernel runs.
+
+#include <stdexcept>
+
+#include "common.h"
+#include "qint8.h"
+
+#if defined(MACSPEC_INT8)  // else the float products take every product
+
+namespace macspec::q8 {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+namespace {
+
+constexpr int MAX_ROWS = 4;  // past this q8_chunk, whose rows cost dot products alone, is cheaper
+constexpr int ROW_ROWS = 2;  // row_pass up to this many rows, quad_pass past it
+
+// The lines of 16 weight rows that the next two groups' loads read after `at`, and the same
+// place of the next 16-row block (into L2: it is used a block later).
+inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
+  for (int r = 0; r < 16; r++) {
+    __builtin_prefetch(rp[r] + at + 512);
+    _mm_prefetch(reinterpret_cast<const char*>(rp[r] + at + block), _MM_HINT_T1);
+  }
+}
+
+// A[r] lanes 0-7: weight row r's partial sums over one group, lanes 8-15 over the next one; out
+// the two groups' sums, row r in lane r (integer adds: exact, in any order).
+inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
+  __m512i B[8], C[4];
+  for (int k = 0; k < 8; k++) {  // quarter q: rows 2k, 2k + 1, two partial sums each
+    B[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(A[2 * k], A[2 * k + 1]),
+                            _mm512_unpackhi_epi32(A[2 * k], A[2 * k + 1]));
+  }
+  for (int j = 0; j < 4; j++) {  // quarter q: rows 4j..4j+3 over the quarter's lanes
+    C[j] = _mm512_add_epi32(_mm512_unpacklo_epi64(B[2 * j], B[2 * j + 1]),
+                            _mm512_unpackhi_epi64(B[2 * j], B[2 * j + 1]));
+  }
+  const __m512i E01 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[0], C[1], 0x88),
+                                       _mm512_shuffle_i32x4(C[0], C[1], 0xdd));
+  const __m512i E23 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[2], C[3], 0x88),
+                                       _mm512_shuffle_i32x4(C[2], C[3], 0xdd));
+  first = _mm512_shuffle_i32x4(E01, E23, 0x88);
+  second = _mm512_shuffle_i32x4(E01, E23, 0xdd);
+}
+
+// V[j] quarter q: weight row 4q + j's partial sums over one group; out: row r's sum in lane r.
+inline __m512i sum_quads(const __m512i* V) {
+  const __m512i T0 = _mm512_add_epi32(_mm512_unpacklo_epi32(V[0], V[1]),
+                                      _mm512_unpackhi_epi32(V[0], V[1]));
+  const __m512i T1 = _mm512_add_epi32(_mm512_unpacklo_epi32(V[2], V[3]),
+                                      _mm512_unpackhi_epi32(V[2], V[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(T0, T1), _mm512_unpackhi_epi64(T0, T1));
+}
+
+inline __m512i lo_nibbles(__m512i w) {
+  return _mm512_and_si512(w, _mm512_set1_epi8(15));
+}
+inline __m512i hi_nibbles(__m512i w) {
+  return _mm512_and_si512(_mm512_srli_epi32(w, 4), _mm512_set1_epi8(15));
+}
+
+// One pair of groups (g, g + 1) of a 16-row block: x's dwords of the pair in q4_rows_prepare's
+// order (32 a row of x) and the groups' scales and biases (16 each, group g's first).
+struct Pair {
+  const int32_t* x;
+  const float* scale;
+  const float* bias;
+  int g;
+};
+
+// f += the two groups' sums s0 (group g) then s1, for row m of x.
+inline vf add_pair(vf f, __m512i s0, __m512i s1, const Pair& p, const QuantizedX& xq, int m) {
+  const size_t at = (size_t)p.g * xq.M + m;
+  f = accumulate(f, vi{s0}, loadf(p.scale), xq.d[at], loadf(p.bias), xq.ds[at]);
+  return accumulate(f, vi{s1}, loadf(p.scale + 16), xq.d[at + xq.M], loadf(p.bias + 16),
+                    xq.ds[at + xq.M]);
+}
+
+template <int MR>
+inline void row_pass(const uint8_t* const* rp, size_t at, const Pair& p, const QuantizedX& xq,
+                     vf* f) {
+  __m512i lo[16], hi[16];
+  for (int r = 0; r < 16; r++) {
+    const __m512i w = _mm512_loadu_si512(rp[r] + at);
+    lo[r] = lo_nibbles(w);
+    hi[r] = hi_nibbles(w);
+  }
+  for (int m = 0; m < MR; m++) {  // x's low nibbles' columns, then the high ones'
+    const __m512i xl = _mm512_loadu_si512(p.x + 32 * m);
+    const __m512i xh = _mm512_loadu_si512(p.x + 32 * m + 16);
+    __m512i A[16];
+    for (int r = 0; r < 16; r++) {
+      A[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl), hi[r], xh);
+    }
+    __m512i s0, s1;
+    sum_lanes(A, s0, s1);
+    f[m] = add_pair(f[m], s0, s1, p, xq, m);
+  }
+}
+
+inline __m512i x4(const int32_t* x) {  // 16 bytes of x in each quarter
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+template <int MR>
+inline void quad_pass(const uint8_t* const* rp, size_t at, const Pair& p, const QuantizedX& xq,
+                      vf* f) {
+  __m512i lo[4][4], hi[4][4];  // [j][c]: bytes 16c.. of rows j, 4 + j, 8 + j, 12 + j
+  for (int j = 0; j < 4; j++) {
+    for (int c = 0; c < 4; c++) {
+      const auto* q = reinterpret_cast<const __m128i*>(rp[j] + at + 16 * c);
+      __m512i w = _mm512_castsi128_si512(_mm_loadu_si128(q));
+      for (int k = 1; k < 4; k++) {
+        const auto* o = reinterpret_cast<const __m128i*>(rp[4 * k + j] + at + 16 * c);
+        w = _mm512_inserti32x4(w, _mm_loadu_si128(o), k);
+      }
+      lo[j][c] = lo_nibbles(w);
+      hi[j][c] = hi_nibbles(w);
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    __m512i s[2];
+    for (int h = 0; h < 2; h++) {  // group g + h: bytes 32h.. of each row
+      const int32_t* x = p.x + 32 * m + 8 * h;
+      const __m512i xl0 = x4(x), xl1 = x4(x + 4), xh0 = x4(x + 16), xh1 = x4(x + 20);
+      __m512i V[4];
+      for (int j = 0; j < 4; j++) {
+        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j][2 * h], xl0);
+        a = _mm512_dpbusd_epi32(a, hi[j][2 * h], xh0);
+        a = _mm512_dpbusd_epi32(a, lo[j][2 * h + 1], xl1);
+        V[j] = _mm512_dpbusd_epi32(a, hi[j][2 * h + 1], xh1);
+      }
+      s[h] = sum_quads(V);
+    }
+    f[m] = add_pair(f[m], s[0], s[1], p, xq, m);
+  }
+}
+
+// Rows [n0, n1) of y for MR rows of x.
+template <ScaleType T, int MR>
+void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  const int groups = p.K / 64;
+  const size_t row_bytes = (size_t)p.K / 2;
+  alignas(64) float scale[16 * 16], bias[16 * 16];
+  for (int nb = n0; nb < n1; nb += 16) {
+    const int rows = std::min(16, n1 - nb);
+    const uint8_t* rp[16];
+    size_t srow[16];
+    block_rows(p, nb, rows, row_bytes, rp, srow);
+    vf f[MR];
+    for (int m = 0; m < MR; m++) {
+      f[m] = vf{_mm512_setzero_ps()};
+    }
+    for (int g = 0; g < groups; g += 2) {
+      if (g % 16 == 0) {
+        scale_tile<T>(p.scales, srow, groups, g, scale);
+        scale_tile<T>(p.biases, srow, groups, g, bias);
+      }
+      const size_t at = (size_t)g * 32;
+      prefetch(rp, at, 16 * row_bytes);
+      const Pair pair{xq.rows.data() + (size_t)g * 16 * MR, scale + g % 16 * 16,
+                      bias + g % 16 * 16, g};
+      if constexpr (MR <= ROW_ROWS) {
+        row_pass<MR>(rp, at, pair, xq, f);
+      } else {
+        quad_pass<MR>(rp, at, pair, xq, f);
+      }
+    }
+    for (int m = 0; m < MR; m++) {
+      alignas(64) float out[16];
+      storef(out, f[m]);
+      std::copy(out, out + rows, p.y + (size_t)m * p.N + nb);
+    }
+  }
+}
+
+template <ScaleType T, int MR = MAX_ROWS>
+void rows_dispatch(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  if constexpr (MR > 1) {
+    if (p.M < MR) {
+      rows_dispatch<T, MR - 1>(p, xq, n0, n1);
+      return;
+    }
+  }
+  rows_chunk<T, MR>(p, xq, n0, n1);
+}
+
+}  // namespace
+
+bool q4_rows_run(const QProduct& p) {
+  return p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M <= MAX_ROWS;
+}
+
+// Per pair of groups and row of x, 32 dwords: the 16 of the columns the weights' low nibbles
+// hold (quantize_x's even dwords: it orders each 8 columns as the nibbles unpack), then the 16
+// of the high ones.
+void q4_rows_prepare(const QProduct& p, QuantizedX& xq) {
+  const int M = p.M;
+  xq.rows.resize((size_t)p.K / 4 * M);
+  for (int gp = 0; gp < p.K / 128; gp++) {
+    for (int m = 0; m < M; m++) {
+      int32_t* out = xq.rows.data() + ((size_t)gp * M + m) * 32;
+      for (int i = 0; i < 16; i++) {
+        out[i] = xq.q[(size_t)(gp * 32 + 2 * i) * M + m];
+        out[16 + i] = xq.q[(size_t)(gp * 32 + 2 * i + 1) * M + m];
+      }
+    }
+  }
+}
+
+template <ScaleType T>
+void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  rows_dispatch<T>(p, xq, n0, n1);
+}
+
+#else  // no AVX-512 VNNI: q8_chunk takes every product
+
+bool q4_rows_run(const QProduct&) {
+  return false;
+}
+
+void q4_rows_prepare(const QProduct&, QuantizedX&) {}
+
+template <ScaleType T>
+void q4_rows_chunk(const QProduct&, const QuantizedX&, int, int) {
+  throw std::logic_error("[macspec products] no row kernels on this build");
+}
+
+#endif
+
+template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
+
+}  // namespace macspec::q8
+
+#endif  // MACSPEC_INT8

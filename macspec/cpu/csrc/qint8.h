@@ -1,0 +1,64 @@
+// What the int8 products' kernels share (cpu_qint8.cpp transposes 16 weight rows; cpu_q4rows.cpp
+// reads them as they lie): x as quantized, and the scales and rows of one 16-row weight block.
+#pragma once
+
+#include "qdot.h"
+#include "quant.h"
+
+#if defined(MACSPEC_INT8)
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace macspec::q8 {
+
+// x quantized per group: int8 in the order the weight vectors are unpacked, 4 bytes (one dword)
+// at a time, dword-major (q[v * M + m]: the rows of one pass are next to each other); and per
+// group d = max|x| / 127, d * sum(q) and sum(q), group-major as well. `rows`: the same dwords in
+// the row kernels' order where they run (cpu_q4rows.cpp), else empty.
+struct QuantizedX {
+  int M;
+  std::vector<int32_t> q;  // K / 4 * M
+  std::vector<float> d, ds;  // groups * M
+  std::vector<int32_t> sum;  // groups * M
+  std::vector<int32_t> rows;  // K / 4 * M
+};
+
+// Scales (or biases) of 16 groups from g0 of rows srow[0..15], as table[j * 16 + r].
+template <ScaleType T>
+void scale_tile(const void* a, const size_t* srow, int groups, int g0, float* table) {
+  const auto* e = static_cast<const scale_elem<T>*>(a);
+  const int n = std::min(16, groups - g0);
+  vf rows[16];
+  for (int r = 0; r < 16; r++) {
+    rows[r] = load_scales(e + srow[r] * groups + g0, n);
+  }
+  transpose(rows);
+  for (int j = 0; j < n; j++) {
+    storef(table + j * 16, rows[j]);
+  }
+}
+
+// Weight rows nb..nb+15 of one 16-row block: their pointers and row indices (lanes past the
+// last row repeat it, and are not stored).
+inline void block_rows(const QProduct& p, int nb, int rows, size_t row_bytes, const uint8_t** rp,
+                       size_t* srow) {
+  for (int r = 0; r < 16; r++) {
+    srow[r] = (size_t)(nb + std::min(r, rows - 1));
+    rp[r] = p.W + srow[r] * row_bytes;
+  }
+}
+
+// Whether the row kernels run p (cpu_q4rows.cpp; never on a build without them), and x's dwords
+// in their order, into xq.rows.
+bool q4_rows_run(const QProduct& p);
+void q4_rows_prepare(const QProduct& p, QuantizedX& xq);
+
+// Rows [n0, n1) of y, for a product that q4_rows_run takes.
+template <ScaleType T>
+void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
+
+}  // namespace macspec::q8
+
+#endif  // MACSPEC_INT8
