@@ -105,14 +105,9 @@ def row_rounds(
             dist = make_dist(opts, history)
             steady = False
             if isinstance(k, TreeShape) or not can_share(target) or company() == 1:
-                # Alone, as generate_rounds: a plain step may launch the next pass ahead.
                 t0 = ready if target.ahead is not None else perf_counter()
-                launch = target.takes_lazy_ids and room > 1 and company() == 1
-                args = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
-                v = _verify(*args)
-                _observe(
-                    policy, drafter, k, v.n + 1, perf_counter() - t0
-                )  # (a shared round's: not)
+                alone = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0)
+                v = _alone_round(*alone, room > 1 and company() == 1)
             else:
                 target.drop_launch()  # a pass launched while it was alone: not shared
                 t0 = perf_counter()
@@ -130,6 +125,26 @@ def row_rounds(
     finally:
         if steady:
             _close(target, drafter, history, prompt_cache)
+
+
+def _alone_round(
+    target: Target,
+    drafter: Drafter | None,
+    policy: Policy,
+    timing: Timing,
+    last: int,
+    k: int | TreeShape,
+    dist: DistFn,
+    key: mx.array,
+    t0: float,
+    may_launch: bool,
+) -> Any:
+    """A round as generate_rounds runs it (a plain step may launch the next pass ahead), its
+    time observed by the policy as there (a shared round's is not)."""
+    launch = target.takes_lazy_ids and may_launch
+    v = _verify(target, drafter, policy, timing, last, k, dist, key, t0, launch)
+    _observe(policy, drafter, k, v.n + 1, perf_counter() - t0)
+    return v
 
 
 def _start(
