@@ -109,3 +109,16 @@ def test_a_pass_is_priced_from_the_measured_ones_until_one_of_its_size_is_seen()
     prices.observe(4, 2, 0.15)
     assert price(4, 2) == pytest.approx(0.7 * 0.05 + 0.3 * 0.15)
     assert price(4, 3) == c.pass_time(11)
+
+
+def test_a_round_over_the_id_cap_is_priced_as_the_passes_it_runs_as():
+    """batch_rounds.pass_groups splits a round of more than max_ids ids: 5 rows of width 5 with
+    16 ids a pass run as 3 + 2 rows (pass_groups puts 3 rows of 5 in one pass)."""
+    prices = PassPrices()
+    for rows, width, seconds in [(3, 5, 0.05), (2, 5, 0.04), (5, 5, 0.2), (3, 3, 0.03)]:
+        prices.observe(rows, width, seconds)
+    capped, whole = prices.pricing(costs(), 0, 16), prices.pricing(costs(), 0)
+    assert capped(5, 5) == pytest.approx(0.05 + 0.04) and whole(5, 5) == pytest.approx(0.2)
+    assert capped(3, 5) == whole(3, 5) == pytest.approx(0.05)  # 15 ids: one pass
+    assert capped(6, 5) == pytest.approx(2 * 0.05)
+    assert capped(1, 20) == whole(1, 20)  # a row wider than the cap runs alone, as alone

@@ -72,12 +72,22 @@ class PassPrices:
             seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
         )
 
-    def pricing(self, costs: Costs, position: int) -> Callable[[int, int], float]:
-        """price(rows, width) for choose_ks, at `position` cached ids."""
+    def pricing(
+        self, costs: Costs, position: int, max_ids: int | None = None
+    ) -> Callable[[int, int], float]:
+        """price(rows, width) for choose_ks, at `position` cached ids; with `max_ids`, a round
+        of more ids runs as passes of at most that many (batch_rounds.pass_groups): their sum."""
 
-        def price(rows: int, width: int) -> float:
+        def one(rows: int, width: int) -> float:
             seen = self.seen.get((rows, width))
             return seen if seen is not None else pass_time(costs, rows, width, position)
+
+        def price(rows: int, width: int) -> float:
+            if max_ids is None or rows * width <= max_ids:
+                return one(rows, width)
+            per = max(1, max_ids // width)  # rows a pass
+            full, rest = divmod(rows, per)
+            return full * one(per, width) + (one(rest, width) if rest else 0.0)
 
         return price
 

@@ -292,7 +292,7 @@ class BatchDriver:
         if not self.choose or costs is None:
             return [b.k for b in bids]
         position = max(b.position for b in bids)
-        return choose_ks(bids, self.prices.pricing(costs, position))
+        return choose_ks(bids, self.prices.pricing(costs, position, self.max_ids))
 
     def _verify(self, rows: list[Row], feeds: list[tuple[int, Feed]], out: dict) -> None:
         try:
