@@ -38,10 +38,9 @@ from .loop import (
     _emit,
     _max_step,
     _next_k,
-    _observe,
+    _observed_round,
     _round,
     _Verdict,
-    _verify,
 )
 from .memory import CacheClearing
 from .policy import FixedK, Policy
@@ -106,8 +105,9 @@ def row_rounds(
             steady = False
             if isinstance(k, TreeShape) or not can_share(target) or company() == 1:
                 t0 = ready if target.ahead is not None else perf_counter()
-                alone = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0)
-                v = _alone_round(*alone, room > 1 and company() == 1)
+                launch = target.takes_lazy_ids and room > 1 and company() == 1
+                alone = (target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch)
+                v = _observed_round(*alone)  # as generate_rounds' (may launch the next pass)
             else:
                 target.drop_launch()  # a pass launched while it was alone: not shared
                 t0 = perf_counter()
@@ -125,26 +125,6 @@ def row_rounds(
     finally:
         if steady:
             _close(target, drafter, history, prompt_cache)
-
-
-def _alone_round(
-    target: Target,
-    drafter: Drafter | None,
-    policy: Policy,
-    timing: Timing,
-    last: int,
-    k: int | TreeShape,
-    dist: DistFn,
-    key: mx.array,
-    t0: float,
-    may_launch: bool,
-) -> Any:
-    """A round as generate_rounds runs it (a plain step may launch the next pass ahead), its
-    time observed by the policy as there (a shared round's is not)."""
-    launch = target.takes_lazy_ids and may_launch
-    v = _verify(target, drafter, policy, timing, last, k, dist, key, t0, launch)
-    _observe(policy, drafter, k, v.n + 1, perf_counter() - t0)
-    return v
 
 
 def _start(

@@ -105,11 +105,10 @@ def generate_rounds(
                 # A launched pass has run since the last ids were read: its time is this round's.
                 t0 = ready if target.ahead is not None else perf_counter()
                 launch = target.takes_lazy_ids and room > 1  # a plain step's next pass, early
-                v = _verify(
+                v = _observed_round(
                     target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
                 )
                 ready = perf_counter()
-                _observe(policy, drafter, k, v.n + 1, ready - t0)
                 limits = (eos_ids, generated, max_tokens, context_length)
                 emitted, finish, lps = _emit(
                     v, room, history, limits, seen, opts, constraint, logprobs
@@ -228,6 +227,26 @@ class _Verdict:
 def _drafter_name(drafter: Drafter) -> str:
     """What drafted the last proposal (a hybrid's copy or its model)."""
     return getattr(drafter, "used", drafter).name
+
+
+def _observed_round(
+    target: Target,
+    drafter: Drafter | None,
+    policy: Policy,
+    timing: Timing,
+    last: int,
+    k: int | TreeShape,
+    dist: DistFn,
+    key: mx.array,
+    t0: float,
+    launch: bool,
+    seen: list | None = None,
+) -> _Verdict:
+    """_verify, its time observed by the policy: generate_rounds' rounds, and a batch row's
+    round alone (a shared round's time is not the row's own: batch_rounds)."""
+    v = _verify(target, drafter, policy, timing, last, k, dist, key, t0, launch, seen)
+    _observe(policy, drafter, k, v.n + 1, perf_counter() - t0)
+    return v
 
 
 def _verify(
