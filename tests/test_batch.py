@@ -199,16 +199,22 @@ def test_a_4bit_model_with_int8_activations_gives_each_row_its_own_logits_bit_fo
     assert shared_reason(model, vocab, {"attention": 2}, False) == ""
 
 
-def test_one_shared_pass_gives_each_rows_own_logits(pair):
+def three_rows(pair):
+    """Three rows of a shared pass: (prompt, fed ids) each, and (its cache after the prompt, the
+    fed ids) each."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    def cache(prompt):
-        c = make_prompt_cache(pair.target)
-        pair.target(mx.array(prompt)[None], cache=c)
-        return c
-
     feeds = [([3, 4, 5], [6]), ([7], [8, 9, 10, 11]), ([12, 13], [14, 15])]
-    rows = [(cache(p), mx.array(f)) for p, f in feeds]
+    rows = []
+    for prompt, fed in feeds:
+        cache = make_prompt_cache(pair.target)
+        pair.target(mx.array(prompt)[None], cache=cache)
+        rows.append((cache, mx.array(fed)))
+    return feeds, rows
+
+
+def test_one_shared_pass_gives_each_rows_own_logits(pair):
+    feeds, rows = three_rows(pair)
     together = shared_pass(pair.target, pair.vocab_size, rows, hidden=True)
     for (p, f), (got, states) in zip(feeds, together, strict=True):
         want = pair.target(mx.array(p + f)[None])[0, len(p) :, : pair.vocab_size]
@@ -221,8 +227,6 @@ def test_one_shared_pass_gives_each_rows_own_logits(pair):
 def test_a_shared_pass_reads_each_attention_weight_once_for_all_rows(pair):
     """llama/qwen2 attention's q/k/v/o products run once over the block (row-wise: each row's
     logits stay its own, bit for bit, as `_check` finds), not once per row and its padding."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     from macspec.core.batch import _check
 
     attn = pair.target.model.layers[0].self_attn
@@ -237,13 +241,7 @@ def test_a_shared_pass_reads_each_attention_weight_once_for_all_rows(pair):
 
         return call
 
-    def cache(prompt):
-        c = make_prompt_cache(pair.target)
-        pair.target(mx.array(prompt)[None], cache=c)
-        return c
-
-    feeds = [([3, 4, 5], [6]), ([7], [8, 9, 10, 11]), ([12, 13], [14, 15])]
-    rows = [(cache(p), mx.array(f)) for p, f in feeds]
+    _, rows = three_rows(pair)
     own = {name: attn[name] for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
     try:
         for name in own:
