@@ -261,8 +261,11 @@ def test_progress_and_keep_report(tmp_path, monkeypatch, capsys):
     from support.gguf_arch_helpers import hf_to_gguf as write_case
     from support.gguf_arch_helpers import make_model
 
+    from macspec import logs
     from macspec.models import gguf as mgguf
 
+    logs.show()  # as `macspec convert` does: the notes go to stderr (else this test relies on an
+    # earlier test in the same worker having called it)
     src = make_model(tmp_path / "src", "qwen3", seed=1)
     path = tmp_path / "mixed.gguf"
     write_case(src, path, "qwen3", qtype="Q5_0")
