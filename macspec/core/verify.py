@@ -29,15 +29,21 @@ def make_dist(
     vocabulary); the missing ids then have probability 0, as they would with logits of -inf.
     `constraint`: its mask comes first, so that every transform chooses among allowed ids."""
 
+    def penalised(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array | None:
+        """The repetition penalty's windows of these rows (None: no penalty)."""
+        if opts.repetition_penalty == 1.0:
+            return None
+        rows = first_row + logits.shape[0]
+        return penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
+
     def dist(
         logits: mx.array, extra: mx.array | None, first_row: int, columns: mx.array | None = None
     ) -> mx.array:
         if constraint is not None:
             logits = masked(logits, constraint, extra, first_row, columns)
-        if opts.repetition_penalty == 1.0:
+        windows = penalised(logits, extra, first_row)
+        if windows is None:
             return distribution(logits, opts)
-        rows = first_row + logits.shape[0]
-        windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
         if columns is None:
             return distribution(logits, opts, windows)
         # Ids outside the logits point at one extra column of -inf, dropped afterwards.
@@ -49,11 +55,7 @@ def make_dist(
         """Greedy: the id (rows,) dist's one-hot rows hold, without building them."""
         if constraint is not None:
             logits = masked(logits, constraint, extra, first_row)
-        windows = None
-        if opts.repetition_penalty != 1.0:
-            rows = first_row + logits.shape[0]
-            windows = penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
-        return greedy_ids(logits, opts, windows)
+        return greedy_ids(logits, opts, penalised(logits, extra, first_row))
 
     # Rows depend on the ids before them (the penalty's windows, the constraint's state).
     dist.best = best if opts.greedy else None
