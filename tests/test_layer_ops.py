@@ -42,6 +42,37 @@ def test_swiglu_agrees_with_mlx(n):
     assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("vocab", [1, 13, 8192, 2 * 8192 + 13])  # one segment, the tail, several
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_softmax_matches_float64_row_by_row(vocab, temperature):
+    x = _normal((5, vocab), 7, 20.0)
+    x = mx.concatenate([x[:, :-1], mx.full((5, 1), -mx.inf)], axis=1) if vocab > 1 else x
+    got = np.array(ext.softmax(x, 1.0 / temperature))
+    xs = np.array(x).astype(np.float64) / temperature
+    want = np.exp(xs - xs.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    big = want > 1e-30
+    assert np.max(np.abs(got[big] - want[big]) / want[big]) < 1e-5
+    assert np.allclose(got.sum(-1, dtype=np.float64), 1, atol=1e-6)
+    if vocab > 1:
+        assert (got[:, -1] == 0).all()
+
+
+def test_softmax_rows_are_alike_whatever_the_rows_and_threads():
+    # A plain step samples from one row, a verification from several: the same bits.
+    x = _normal((6, 3 * 8192 + 5), 8, 10.0)
+    before = ext.threads()
+    try:
+        ext.set_threads(1)
+        alone = [np.array(ext.softmax(x[r : r + 1], 1.3)) for r in range(6)]
+        ext.set_threads(2)
+        together = np.array(ext.softmax(x, 1.3))
+    finally:
+        ext.set_threads(before)
+    for r in range(6):
+        assert np.array_equal(alone[r][0], together[r])
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [16, 12])  # full and partial rotation of 16-wide heads
 def test_rope_heads_agree_with_mlx(traditional, dims):

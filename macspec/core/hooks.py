@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 
-def _softmax(x: mx.array) -> mx.array:
-    return mx.softmax(x, axis=-1)
+def _softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
+    return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
 
 
 def _matmul_t(x: mx.array, w: mx.array) -> mx.array:
@@ -42,7 +42,8 @@ def _any_rows(model: nn.Module) -> int | None:
 class Hooks:
     """The replaceable parts, each with its plain-mlx default.
 
-    - softmax(x): softmax over the last axis of float32 rows (the sampling distribution's);
+    - softmax(x, temperature): softmax(x / temperature) over the last axis of float32 rows (the
+      sampling distribution's);
     - matmul_t(x, w): x @ w.T for a float32 matrix held outside any layer (the EAGLE head's rows);
     - serial(): a context in which each forward pass is built whole before it is evaluated (a
       round times the drafts apart from the verification graph's build);
@@ -57,7 +58,7 @@ class Hooks:
       the very bits that row gets in a pass of its own (None: any number)."""
 
     name: str = "mlx"
-    softmax: Callable[[mx.array], mx.array] = _softmax
+    softmax: Callable[..., mx.array] = _softmax
     matmul_t: Callable[[mx.array, mx.array], mx.array] = _matmul_t
     serial: Callable[[], AbstractContextManager] = nullcontext
     tree_positions: Callable[[list, mx.array, int], AbstractContextManager] = _no_positions
@@ -81,8 +82,8 @@ def installed() -> Hooks:
     return _installed
 
 
-def softmax(x: mx.array) -> mx.array:
-    return _installed.softmax(x)
+def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
+    return _installed.softmax(x, temperature)
 
 
 def matmul_t(x: mx.array, w: mx.array) -> mx.array:

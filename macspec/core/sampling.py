@@ -102,7 +102,7 @@ def distribution(
         logits = apply_repetition_penalty(logits, windows, opts.repetition_penalty)
 
     # Each filter sees the renormalised survivors of the one before (as llama.cpp's sampler chain).
-    probs = hooks.softmax(logits / opts.temperature)
+    probs = hooks.softmax(logits, opts.temperature)
     if 0 < opts.top_k < vocab:
         kth = mx.min(mx.topk(probs, opts.top_k, axis=-1), axis=-1, keepdims=True)
         probs = _renormalise(mx.where(probs >= kth, probs, 0.0))

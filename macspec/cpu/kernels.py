@@ -127,11 +127,18 @@ _softmax_exp = _BoundedCompile(_shifted_exp)
 _swiglu_fast = _BoundedCompile(_swiglu)
 
 
-def softmax(x: mx.array) -> mx.array:
-    """Softmax over the last axis (float32); on the CPU backend with the fast exp."""
+def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
+    """softmax(x / temperature) over the last axis (float32); on the CPU backend with the fast
+    exp, and with the native primitive on every core where it is built (a whole vocabulary's
+    rows: one core took ~1 ms a row of 152k ids)."""
     if not on_cpu():
-        return mx.softmax(x, axis=-1)
+        return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
     x = x.astype(mx.float32)
+    ext = native_layers()
+    if ext is not None and x.ndim >= 1:
+        return ext.softmax(x, 1.0 / temperature)
+    if temperature != 1.0:
+        x = x / temperature
     e = _softmax_exp(x, mx.max(x, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
 
