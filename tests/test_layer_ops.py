@@ -73,6 +73,49 @@ def test_softmax_rows_are_alike_whatever_the_rows_and_threads():
         assert np.array_equal(alone[r][0], together[r])
 
 
+@pytest.mark.parametrize("vocab", [1, 13, 8192, 3 * 8192 + 5])
+def test_argmax_is_mlx_first_largest_id(vocab):
+    x = mx.round(_normal((6, vocab), 9, 3.0))  # many ties: the first of them
+    x[4] = -mx.inf  # nothing larger than -inf: id 0, as mlx
+    if vocab > 8192:
+        x[5, 8192 + 7] = 100.0  # a later segment's
+        x[5, 2 * 8192 + 1] = 100.0
+    assert np.array_equal(np.array(ext.argmax(x)), np.array(mx.argmax(x, axis=-1)))
+
+
+def test_sample_draws_each_id_as_often_as_its_probability():
+    probs = mx.array([[0.1, 0.0, 0.3, 0.6, 0.0]] * 40000)
+    u = mx.random.uniform(shape=(40000, 1), key=mx.random.key(3))
+    counts = np.bincount(np.array(ext.sample(probs, u)), minlength=5)
+    want = np.array([0.1, 0.0, 0.3, 0.6, 0.0]) * 40000
+    assert counts[1] == counts[4] == 0  # never an id of probability 0
+    chi2 = (((counts - want) ** 2)[[0, 2, 3]] / want[[0, 2, 3]]).sum()
+    assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001
+
+
+def test_sample_is_the_first_id_past_u_times_the_sum():
+    probs = mx.zeros((4, 3 * 8192 + 5))
+    probs[:, 100] = 1.0
+    probs[:, 8192 + 3] = 2.0
+    probs[:, 2 * 8192 + 9] = 1.0
+    u = mx.array([[0.0], [0.3], [0.5], [0.9999999]])
+    assert np.array(ext.sample(probs, u)).tolist() == [100, 8192 + 3, 8192 + 3, 2 * 8192 + 9]
+    # the sums of a real vocabulary's rows, alone or together, on 1 or 2 threads: the same ids
+    p = mx.softmax(_normal((6, 151936), 10, 3.0), axis=-1)
+    u = mx.random.uniform(shape=(6, 1), key=mx.random.key(4))
+    before = ext.threads()
+    try:
+        ext.set_threads(1)
+        alone = [np.array(ext.sample(p[r : r + 1], u[r : r + 1]))[0] for r in range(6)]
+        ext.set_threads(2)
+        together = np.array(ext.sample(p, u))
+    finally:
+        ext.set_threads(before)
+    assert together.tolist() == alone
+    mlx = np.array(kernels.hooks.inverse_cdf_mlx(p, u))
+    assert np.abs(together.astype(int) - mlx.astype(int)).max() < 200  # rounding of the sums
+
+
 @pytest.mark.parametrize("traditional", [False, True])
 @pytest.mark.parametrize("dims", [16, 12])  # full and partial rotation of 16-wide heads
 def test_rope_heads_agree_with_mlx(traditional, dims):

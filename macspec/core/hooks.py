@@ -21,6 +21,19 @@ def _softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
 
 
+def _argmax(x: mx.array) -> mx.array:
+    return mx.argmax(x, axis=-1)
+
+
+def inverse_cdf_mlx(probs: mx.array, u: mx.array) -> mx.array:
+    """hooks.inverse_cdf in mlx's ops (the default, and an accelerator's fallback)."""
+    total = mx.cumsum(probs, axis=-1)
+    index = mx.sum(total <= u * total[:, -1:], axis=-1)
+    # u * total can round up to the total itself: keep to the last id that has probability.
+    last = probs.shape[-1] - 1 - mx.argmax(probs[:, ::-1] > 0, axis=-1)
+    return mx.minimum(index, last).astype(mx.uint32)
+
+
 def _matmul_t(x: mx.array, w: mx.array) -> mx.array:
     return x @ w.T
 
@@ -44,6 +57,9 @@ class Hooks:
 
     - softmax(x, temperature): softmax(x / temperature) over the last axis of float32 rows (the
       sampling distribution's);
+    - argmax(x): the first id of each float32 row's largest value, (rows, V) -> (rows,);
+    - inverse_cdf(probs, u): per row of float32 probabilities (rows, V), the first id whose
+      running sum exceeds u (rows, 1) times the row's sum, never an id of probability 0;
     - matmul_t(x, w): x @ w.T for a float32 matrix held outside any layer (the EAGLE head's rows);
     - serial(): a context in which each forward pass is built whole before it is evaluated (a
       round times the drafts apart from the verification graph's build);
@@ -59,6 +75,8 @@ class Hooks:
 
     name: str = "mlx"
     softmax: Callable[..., mx.array] = _softmax
+    argmax: Callable[[mx.array], mx.array] = _argmax
+    inverse_cdf: Callable[[mx.array, mx.array], mx.array] = inverse_cdf_mlx
     matmul_t: Callable[[mx.array, mx.array], mx.array] = _matmul_t
     serial: Callable[[], AbstractContextManager] = nullcontext
     tree_positions: Callable[[list, mx.array, int], AbstractContextManager] = _no_positions
@@ -84,6 +102,14 @@ def installed() -> Hooks:
 
 def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     return _installed.softmax(x, temperature)
+
+
+def argmax(x: mx.array) -> mx.array:
+    return _installed.argmax(x)
+
+
+def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
+    return _installed.inverse_cdf(probs, u)
 
 
 def matmul_t(x: mx.array, w: mx.array) -> mx.array:

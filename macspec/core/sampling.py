@@ -126,7 +126,7 @@ def greedy_ids(
     logits = logits.astype(mx.float32)
     if opts.repetition_penalty != 1.0 and windows is not None:
         logits = apply_repetition_penalty(logits, windows, opts.repetition_penalty)
-    return mx.argmax(logits, axis=-1)
+    return hooks.argmax(logits)
 
 
 def _renormalise(probs: mx.array) -> mx.array:
@@ -136,13 +136,9 @@ def _renormalise(probs: mx.array) -> mx.array:
 def sample(probs: mx.array, key: mx.array) -> mx.array:
     """Draw one id per row from (possibly unnormalised) probabilities; one-hot rows are exact.
 
-    By inverting the cumulative sum: the first id whose running total exceeds u * total, which
-    is never an id of probability 0. Written out because mx.random.categorical takes logits:
-    a log and two more ops for its Gumbel noise over the whole vocabulary, several times the
-    work of this on a CPU."""
-    total = mx.cumsum(probs.astype(mx.float32), axis=-1)
-    u = mx.random.uniform(shape=(probs.shape[0], 1), key=key) * total[:, -1:]
-    index = mx.sum(total <= u, axis=-1)
-    # u * total can round up to the total itself: keep to the last id that has probability.
-    last = probs.shape[-1] - 1 - mx.argmax(probs[:, ::-1] > 0, axis=-1)
-    return mx.minimum(index, last).astype(mx.uint32)
+    By inverting the cumulative sum (hooks.inverse_cdf): the first id whose running total
+    exceeds u * total, which is never an id of probability 0. Written out because
+    mx.random.categorical takes logits: a log and two more ops for its Gumbel noise over the
+    whole vocabulary, several times the work of this on a CPU."""
+    u = mx.random.uniform(shape=(probs.shape[0], 1), key=key)
+    return hooks.inverse_cdf(probs.astype(mx.float32), u)

@@ -56,6 +56,8 @@ def setup() -> dict:
 HOOKS = hooks.Hooks(
     name="cpu",
     softmax=kernels.softmax,
+    argmax=kernels.argmax,
+    inverse_cdf=kernels.inverse_cdf,
     matmul_t=products.matmul_t,
     serial=kernels.serial,
     tree_positions=tree_positions,
