@@ -128,6 +128,14 @@ NATIVE = Switch(
     True,
     "build and use the native CPU extension (off: mlx's own ops for everything below)",
 )
+NATIVE_ARCH = Switch(
+    "MACSPEC_NATIVE_ARCH",
+    "choice",
+    "native",
+    "the instruction set the native CPU extension is built for (x86-64-v3: AVX2 and FMA, as "
+    "many AMD EPYC; x86-64-v4: AVX-512 without VNNI; native: this CPU's own)",
+    choices=("native", "x86-64-v3", "x86-64-v4"),
+)
 NATIVE_THREADS = Switch(
     "MACSPEC_NATIVE_THREADS",
     "count",
@@ -190,6 +198,7 @@ ALL = (
     NO_BLAS_PRELOAD,
     KERNELS,
     NATIVE,
+    NATIVE_ARCH,
     NATIVE_THREADS,
     NATIVE_PRODUCTS,
     INT8_ACTIVATIONS,

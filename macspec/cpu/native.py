@@ -72,7 +72,7 @@ def _paths() -> dict[str, str]:
     }
 
 
-def _key(cxx: str) -> str:
+def _key(cxx: str, arch: str) -> str:
     import nanobind
 
     parts = [
@@ -83,6 +83,7 @@ def _key(cxx: str) -> str:
         platform.machine().encode(),
         cxx.encode(),
         _cpu_flags().encode(),
+        arch.encode(),
     ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
@@ -98,7 +99,7 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(cxx: str, out: Path) -> None:
+def _build(cxx: str, out: Path, arch: str) -> None:
     p = _paths()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     common = [
@@ -122,7 +123,7 @@ def _build(cxx: str, out: Path) -> None:
                 [
                     cxx,
                     "-std=c++20",
-                    "-march=native",
+                    f"-march={arch}",
                     *common,
                     "-DNB_DOMAIN=mlx",  # mlx's own bindings' domain: mx.array passes through
                     f"-I{p['mlx_include']}",
@@ -217,11 +218,13 @@ def load() -> ModuleType | None:
 
 def _built(cxx: str, threads: int | None) -> ModuleType:
     """The extension for this machine, built first if it is not in the cache, self-tested."""
-    path = native_dir() / _key(cxx) / (MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ""))
+    arch = switches.NATIVE_ARCH.value()
+    name = MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or "")
+    path = native_dir() / _key(cxx, arch) / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         progress(log, "building its CPU kernels for this machine (once)")
-        _build(cxx, path)
+        _build(cxx, path, arch)
     ext = _load(path)
     if threads:
         ext.set_threads(threads)
