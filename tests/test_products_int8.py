@@ -160,7 +160,7 @@ def test_one_row_by_4bit_g64_weights_is_numpys_and_a_pass_rows(dtype, k):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("count", [1, 2])
 def test_passes_of_1_to_16_rows_by_4bit_g64_weights_are_numpys_row_by_row(threads, dtype, count):
-    # 1-2 and 3-4 rows there run kernels of their own (csrc/cpu_q4rows.cpp), 5-8 another
+    # 1-2 rows there run a kernel of their own (csrc/cpu_q4rows.cpp), 3-8 another
     # (csrc/cpu_q4wide.cpp), 9-16 the transposing one: each gives numpy's bits, its float steps
     # group by group in order
     threads(count)
