@@ -159,12 +159,14 @@ def test_one_row_by_4bit_g64_weights_is_numpys_and_a_pass_rows(dtype, k):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("count", [1, 2])
-def test_passes_of_1_to_16_rows_by_4bit_g64_weights_are_numpys_row_by_row(threads, dtype, count):
-    # 1-2 and 3-4 rows there run kernels of their own (csrc/cpu_q4rows.cpp), 5-16 the
-    # transposing one: each gives numpy's bits, its float steps group by group in order
+@pytest.mark.parametrize("k", [384, 1152])  # 1152: 18 groups, past the kernels' 16-group tables
+def test_passes_of_1_to_16_rows_by_4bit_g64_weights_are_numpys_row_by_row(threads, dtype, count, k):
+    # 1-2 rows there run a kernel of their own (csrc/cpu_q4rows.cpp), 3-8 another
+    # (csrc/cpu_q4wide.cpp), 9-16 the transposing one: each gives numpy's bits, its float steps
+    # group by group in order
     threads(count)
-    weights = _weights(37, 384, 64, 4, dtype, seed=7)  # two 16-row blocks and a part
-    x = mx.random.normal((16, 384), key=mx.random.key(8)) * 2
+    weights = _weights(37, k, 64, 4, dtype, seed=7)  # two 16-row blocks and a part
+    x = mx.random.normal((16, k), key=mx.random.key(8)) * 2
     want = reference(x, *weights, 64, 4)
     for rows in range(1, 17):
         np.testing.assert_array_equal(_q8(x[:rows], weights, 64, 4), want[:rows])

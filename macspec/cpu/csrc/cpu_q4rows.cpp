@@ -1,13 +1,10 @@
-// Int8 products of 1 to 4 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
+// Int8 products of 1 or 2 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
 // q8_chunk's 16 x 16 byte transposes (cpu_qint8.cpp), whose shuffles cost more than reading the
-// weights at these row counts. Two kernels, each reading 64 bytes (two groups) of 16 weight rows
-// at a time:
-// - 1-2 rows (row_pass): a vector a weight row, as it lies; its 16 lanes summed per group after
-//   the dot products (sum_lanes), once per row of x;
-// - 3-4 rows (quad_pass): a vector 16 bytes of 4 rows (one load and three inserts), x's 16 bytes
-//   repeated in its quarters; a row's 4 lanes summed after (sum_quads), a third of sum_lanes.
-// Both prefetch the next 16-row block into L2 as well: the hardware prefetcher does not follow
-// 16 interleaved streams far enough ahead to keep the memory busy.
+// weights at these row counts (3-8 rows: cpu_q4wide.cpp). The kernel (row_pass) reads 64 bytes
+// (two groups) of 16 weight rows at a time, a vector a weight row, as it lies; its 16 lanes
+// summed per group after the dot products (sum_lanes), once per row of x. It prefetches the
+// next 16-row block into L2 as well: the hardware prefetcher does not follow 16 interleaved
+// streams far enough ahead to keep the memory busy.
 // The integer sums are q8_chunk's exact numbers and the float steps the same, lane by lane,
 // group by group in order: the same bits whichever kernel runs.
 
@@ -24,8 +21,7 @@ namespace macspec::q8 {
 
 namespace {
 
-constexpr int MAX_ROWS = 4;  // past this q8_chunk, whose rows cost dot products alone, is cheaper
-constexpr int ROW_ROWS = 2;  // row_pass up to this many rows, quad_pass past it
+constexpr int MAX_ROWS = 2;  // past this cpu_q4wide.cpp's kernel, whose rows cost less
 
 // The lines of 16 weight rows that the next two groups' loads read after `at`, and the same
 // place of the next 16-row block (into L2: it is used a block later).
@@ -54,15 +50,6 @@ inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
                                        _mm512_shuffle_i32x4(C[2], C[3], 0xdd));
   first = _mm512_shuffle_i32x4(E01, E23, 0x88);
   second = _mm512_shuffle_i32x4(E01, E23, 0xdd);
-}
-
-// V[j] quarter q: weight row 4q + j's partial sums over one group; out: row r's sum in lane r.
-inline __m512i sum_quads(const __m512i* V) {
-  const __m512i T0 = _mm512_add_epi32(_mm512_unpacklo_epi32(V[0], V[1]),
-                                      _mm512_unpackhi_epi32(V[0], V[1]));
-  const __m512i T1 = _mm512_add_epi32(_mm512_unpacklo_epi32(V[2], V[3]),
-                                      _mm512_unpackhi_epi32(V[2], V[3]));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(T0, T1), _mm512_unpackhi_epi64(T0, T1));
 }
 
 inline __m512i lo_nibbles(__m512i w) {
@@ -111,44 +98,6 @@ inline void row_pass(const uint8_t* const* rp, size_t at, const Pair& p, const Q
   }
 }
 
-inline __m512i x4(const int32_t* x) {  // 16 bytes of x in each quarter
-  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-}
-
-template <int MR>
-inline void quad_pass(const uint8_t* const* rp, size_t at, const Pair& p, const QuantizedX& xq,
-                      vf* f) {
-  __m512i lo[4][4], hi[4][4];  // [j][c]: bytes 16c.. of rows j, 4 + j, 8 + j, 12 + j
-  for (int j = 0; j < 4; j++) {
-    for (int c = 0; c < 4; c++) {
-      const auto* q = reinterpret_cast<const __m128i*>(rp[j] + at + 16 * c);
-      __m512i w = _mm512_castsi128_si512(_mm_loadu_si128(q));
-      for (int k = 1; k < 4; k++) {
-        const auto* o = reinterpret_cast<const __m128i*>(rp[4 * k + j] + at + 16 * c);
-        w = _mm512_inserti32x4(w, _mm_loadu_si128(o), k);
-      }
-      lo[j][c] = lo_nibbles(w);
-      hi[j][c] = hi_nibbles(w);
-    }
-  }
-  for (int m = 0; m < MR; m++) {
-    __m512i s[2];
-    for (int h = 0; h < 2; h++) {  // group g + h: bytes 32h.. of each row
-      const int32_t* x = p.x + 32 * m + 8 * h;
-      const __m512i xl0 = x4(x), xl1 = x4(x + 4), xh0 = x4(x + 16), xh1 = x4(x + 20);
-      __m512i V[4];
-      for (int j = 0; j < 4; j++) {
-        __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j][2 * h], xl0);
-        a = _mm512_dpbusd_epi32(a, hi[j][2 * h], xh0);
-        a = _mm512_dpbusd_epi32(a, lo[j][2 * h + 1], xl1);
-        V[j] = _mm512_dpbusd_epi32(a, hi[j][2 * h + 1], xh1);
-      }
-      s[h] = sum_quads(V);
-    }
-    f[m] = add_pair(f[m], s[0], s[1], p, xq, m);
-  }
-}
-
 // Rows [n0, n1) of y for MR rows of x.
 template <ScaleType T, int MR>
 void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
@@ -173,11 +122,7 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
       prefetch(rp, at, 16 * row_bytes);
       const Pair pair{xq.rows.data() + (size_t)g * 16 * MR, scale + g % 16 * 16,
                       bias + g % 16 * 16, g};
-      if constexpr (MR <= ROW_ROWS) {
-        row_pass<MR>(rp, at, pair, xq, f);
-      } else {
-        quad_pass<MR>(rp, at, pair, xq, f);
-      }
+      row_pass<MR>(rp, at, pair, xq, f);
     }
     for (int m = 0; m < MR; m++) {
       alignas(64) float out[16];

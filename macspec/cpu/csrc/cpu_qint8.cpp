@@ -8,8 +8,9 @@
 // Weights stay in MLX's layout (no repacked copy beside the model's): each 16-byte piece of 16
 // rows is transposed on the fly so that a vector holds 4 weights of each row, one row a lane,
 // into a small buffer that every row of x then reads. Each lane's sums are exact integers and its
-// float steps are the same whatever M, the threads or the instruction set. A pass of up to 4
-// rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernels instead, with AVX-512 VNNI.
+// float steps are the same whatever M, the threads or the instruction set. A pass of up to 8
+// rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernel (1-2 rows) or
+// cpu_q4wide.cpp's (3-8) instead, with AVX-512 VNNI.
 
 #include <algorithm>
 #include <cmath>
@@ -258,6 +259,10 @@ template <ScaleType T>
 void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   if (!xq.rows.empty()) {
     q4_rows_chunk<T>(p, xq, n0, n1);
+    return;
+  }
+  if (q4_wide_run(p)) {
+    q4_wide_chunk<T>(p, xq, n0, n1);
     return;
   }
   if (p.bits == 4) {

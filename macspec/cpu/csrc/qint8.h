@@ -59,6 +59,11 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq);
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
+// The same for the 3-8 row kernel (cpu_q4wide.cpp), which reads x in q8_chunk's order.
+bool q4_wide_run(const QProduct& p);
+template <ScaleType T>
+void q4_wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
+
 }  // namespace macspec::q8
 
 #endif  // MACSPEC_INT8

@@ -1,0 +1,185 @@
+// Int8 products of 3 to 8 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI): q8_chunk's
+// transposes (cpu_qint8.cpp, a vector 4 weights of each of 16 rows) kept in registers, each used
+// at once by every row of x, with no buffer between; x's offsets known at compile time (x has
+// MR rows); the rows addressed from a few registers; and the next 16-row block prefetched into
+// L2, as cpu_q4rows.cpp does, so that the weight stream runs under the dot products.
+// The integer sums are q8_chunk's exact numbers, x in its order (quantize_x's), and the float
+// steps the same, lane by lane, group by group in order: the same bits whichever kernel runs.
+
+#include <stdexcept>
+#include <vector>
+
+#include "common.h"
+#include "qint8.h"
+
+#if defined(MACSPEC_INT8)
+
+namespace macspec::q8 {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+
+namespace {
+
+// Fewer rows: cpu_q4rows.cpp's kernel; more: q8_chunk, whose buffer serves up to 16 rows.
+constexpr int MIN_ROWS = 3, MAX_ROWS = 8;
+
+// Where the rows of a 16-row block lie: row 4k + j at b[k] + s[j], from 8 registers. (GCC
+// keeps an array of 16 row pointers in vector registers and takes each one out for its load: as
+// many vector instructions as the dot products.)
+struct Block {
+  const uint8_t* b[4];
+  size_t s[4];
+  const uint8_t* row(int r) const {
+    return b[r / 4] + s[r % 4];
+  }
+};
+
+// 16 bytes at `at` of the block's rows as 4 vectors: out[c] lane r = bytes 4c..4c+3 of row r
+// (qdot.h's transpose).
+inline void transpose(const Block& k, size_t at, vi* out) {
+  __m512i z[4];
+  for (int j = 0; j < 4; j++) {  // z[j] = rows j, 4 + j, 8 + j, 12 + j in its four quarters
+    const auto* q = reinterpret_cast<const __m128i*>(k.b[0] + k.s[j] + at);
+    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(q));
+    for (int i = 1; i < 4; i++) {
+      q = reinterpret_cast<const __m128i*>(k.b[i] + k.s[j] + at);
+      t = _mm512_inserti32x4(t, _mm_loadu_si128(q), i);
+    }
+    z[j] = t;
+  }
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = {_mm512_unpacklo_epi64(t0, t2)};
+  out[1] = {_mm512_unpackhi_epi64(t0, t2)};
+  out[2] = {_mm512_unpacklo_epi64(t1, t3)};
+  out[3] = {_mm512_unpackhi_epi64(t1, t3)};
+}
+
+// acc[m][0] += 16 bytes at `at` of the block's rows (low nibbles) times x's dwords of them,
+// acc[m][1] the high nibbles' (x: dword v of row m at x[v * MR + m]; 6-16 sums under way).
+template <int MR>
+inline void column(const Block& k, size_t at, const int32_t* x, vi (*acc)[2]) {
+  vi t[4];
+  transpose(k, at, t);
+  for (int c = 0; c < 4; c++) {
+    const vi lo = nibbles_lo(t[c]), hi = nibbles_hi(t[c]);
+    for (int m = 0; m < MR; m++) {
+      acc[m][0] = dot(acc[m][0], lo, x + 2 * c * MR + m);
+      acc[m][1] = dot(acc[m][1], hi, x + (2 * c + 1) * MR + m);
+    }
+  }
+}
+
+// The line at `at` of the next block's rows, into L2: used a block later (the hardware
+// prefetcher does not follow 16 interleaved streams far enough ahead).
+inline void prefetch(const Block& k, size_t at, size_t block) {
+  for (int r = 0; r < 16; r++) {
+    _mm_prefetch(reinterpret_cast<const char*>(k.row(r) + at + block), _MM_HINT_T1);
+  }
+}
+
+// A block's rows: in place, or (a last block of fewer than 16 rows) copied into `pad`, the
+// last row repeated, so that every block's rows are evenly spaced.
+inline Block block_at(const QProduct& p, int nb, int rows, size_t row_bytes,
+                      std::vector<uint8_t>& pad) {
+  const uint8_t* first = p.W + (size_t)nb * row_bytes;
+  if (rows < 16) {
+    pad.resize(16 * row_bytes);
+    for (int r = 0; r < 16; r++) {
+      std::copy_n(first + std::min(r, rows - 1) * row_bytes, row_bytes, pad.data() + r * row_bytes);
+    }
+    first = pad.data();
+  }
+  Block k;
+  for (int j = 0; j < 4; j++) {
+    k.b[j] = first + 4 * j * row_bytes;
+    k.s[j] = j * row_bytes;
+  }
+  return k;
+}
+
+// Rows [n0, n1) of y for the MR rows of x.
+template <ScaleType T, int MR>
+void wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  const int groups = p.K / 64;
+  const size_t row_bytes = (size_t)p.K / 2;
+  alignas(64) float scale[16 * 16], bias[16 * 16], facc[MR * 16];
+  std::vector<uint8_t> pad;
+  for (int nb = n0; nb < n1; nb += 16) {
+    const int rows = std::min(16, n1 - nb);
+    const uint8_t* rp[16];
+    size_t srow[16];
+    block_rows(p, nb, rows, row_bytes, rp, srow);  // srow: the scales' rows
+    const Block k = block_at(p, nb, rows, row_bytes, pad);
+    std::fill(facc, facc + MR * 16, 0.0f);
+    for (int g = 0; g < groups; g++) {
+      if (g % 16 == 0) {
+        scale_tile<T>(p.scales, srow, groups, g, scale);
+        scale_tile<T>(p.biases, srow, groups, g, bias);
+      }
+      const size_t at = (size_t)g * 32;
+      if (g % 2 == 0 && rows == 16) {
+        prefetch(k, at, 16 * row_bytes);
+      }
+      vi acc[MR][2];
+      for (int m = 0; m < MR; m++) {
+        acc[m][0] = acc[m][1] = zero();
+      }
+      const int32_t* x = xq.q.data() + (size_t)g * 16 * MR;
+      column<MR>(k, at, x, acc);
+      column<MR>(k, at + 16, x + 8 * MR, acc);
+      const vf s = loadf(scale + g % 16 * 16), b = loadf(bias + g % 16 * 16);
+      for (int m = 0; m < MR; m++) {
+        const size_t i = (size_t)g * MR + m;
+        const vi sum = add(acc[m][0], acc[m][1]);
+        storef(facc + m * 16, accumulate(loadf(facc + m * 16), sum, s, xq.d[i], b, xq.ds[i]));
+      }
+    }
+    for (int m = 0; m < MR; m++) {
+      std::copy(facc + m * 16, facc + m * 16 + rows, p.y + (size_t)m * p.N + nb);
+    }
+  }
+}
+
+template <ScaleType T, int MR = MAX_ROWS>
+void wide_dispatch(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  if constexpr (MR > 1) {
+    if (p.M < MR) {
+      wide_dispatch<T, MR - 1>(p, xq, n0, n1);
+      return;
+    }
+  }
+  wide_chunk<T, MR>(p, xq, n0, n1);
+}
+
+}  // namespace
+
+bool q4_wide_run(const QProduct& p) {
+  return p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M >= MIN_ROWS && p.M <= MAX_ROWS;
+}
+
+template <ScaleType T>
+void q4_wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  wide_dispatch<T>(p, xq, n0, n1);
+}
+
+#else  // no AVX-512 VNNI: q8_chunk takes every product
+
+bool q4_wide_run(const QProduct&) {
+  return false;
+}
+
+template <ScaleType T>
+void q4_wide_chunk(const QProduct&, const QuantizedX&, int, int) {
+  throw std::logic_error("[macspec products] no wide row kernel on this build");
+}
+
+#endif
+
+template void q4_wide_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
+template void q4_wide_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
+template void q4_wide_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
+
+}  // namespace macspec::q8
+
+#endif  // MACSPEC_INT8
