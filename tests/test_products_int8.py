@@ -158,6 +158,21 @@ def test_one_row_by_4bit_g64_weights_is_numpys_and_a_pass_rows(dtype, k):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_row_kernels_over_several_scale_tiles_and_at_their_largest_sums(dtype):
+    # 1152 columns: 18 groups, a whole tile of 16 groups' scales and a part; every third weight
+    # row's nibbles all 15 against x at +-127, the largest sums the row kernels add in 16 bits
+    wq, scales, biases = _weights(37, 1152, 64, 4, dtype, seed=9)
+    packed = np.array(wq)
+    packed[::3] = 0xFFFFFFFF
+    weights = (mx.array(packed), scales, biases)
+    x = mx.random.normal((4, 1152), key=mx.random.key(10)) * 2
+    x = mx.concatenate([mx.full((1, 1152), 3.0), mx.full((1, 1152), -3.0), x[2:]])
+    want = reference(x, *weights, 64, 4)
+    for rows in range(1, 5):
+        np.testing.assert_array_equal(_q8(x[:rows], weights, 64, 4), want[:rows])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("k", [384, 1152])  # 1152: 18 groups, past the kernels' 16-group tables
 def test_passes_of_1_to_16_rows_by_4bit_g64_weights_are_numpys_row_by_row(threads, dtype, count, k):
