@@ -421,3 +421,34 @@ def test_pass_groups_keep_each_pass_within_its_ids():
     for g in groups:
         assert len(g) == 1 or len(g) * max(f.tokens.size for _, f in g) <= 16
     assert [[i for i, _ in g] for g in groups] == [[1, 3, 0], [2, 5], [4]]
+
+
+def test_the_model_stays_wired_once_while_rows_run(kinds, monkeypatch):
+    """Metal hygiene as generate_rounds has it: mlx-lm's wired_limit entered once for the whole
+    batch when its first round runs, left when its last row ends, entered again for the next."""
+    from macspec.core import memory
+
+    held = []
+
+    @contextmanager
+    def wired(model):
+        held.append("in")
+        yield
+        held.append("out")
+
+    monkeypatch.setattr(memory, "wired_limit", wired)
+    opts = {"max_tokens": 6, "temperature": 0.0, "adaptive": False}
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    for n in (2, 1):
+        rows = [open_row(kinds["model"], PROMPTS[i], **opts)[1] for i in range(n)]
+        rounds = 0
+        while rows:
+            results = driver.round(rows)
+            rows = [row for row, got in results if not isinstance(got, Exception)]
+            rounds += 1
+            assert held[-1] == ("out" if not rows else "in")
+        assert rounds > 2 and held == ["in", "out"] * (3 - n)
+    rows = [open_row(kinds["model"], PROMPTS[0], **opts)[1]]
+    driver.round(rows)
+    driver.release()  # the server's, when its last row was dropped
+    assert held[-2:] == ["in", "out"]
