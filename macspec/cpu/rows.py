@@ -71,15 +71,15 @@ def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> Any:
     h = x.reshape(1, b * width, dim)
     tree = (table, _block_positions(offsets, width), max(offsets) + width)
     q, k, v = blocks.qkv_rope(layer, ext, table, 0, tree, h, weights)
-    keys, values = [], []
     for r, cache in enumerate(caches):
         part = slice(r * width, (r + 1) * width)
-        kr, vr = cache.update_and_fetch(k[:, :, part], v[:, :, part])
-        keys.append(kr)
-        values.append(vr)
+        # The views it returns are never evaluated: the primitive reads the buffers in place.
+        cache.update_and_fetch(k[:, :, part], v[:, :, part])
+    keys, values = [c.keys for c in caches], [c.values for c in caches]
+    lengths = [c.offset for c in caches]
     wo, norm, wg, wu, wd, (bits, group) = weights[5:]
     out = ext.rows_attn_mlp(
-        h, q, keys, values, wo, norm, layer["post_attention_layernorm"].eps, wg, wu, wd,
-        layer["self_attn"].scale, bits, group, products.int8_activations,
+        h, q, keys, values, lengths, wo, norm, layer["post_attention_layernorm"].eps, wg, wu,
+        wd, layer["self_attn"].scale, bits, group, products.int8_activations,
     )  # fmt: skip
     return kernels.overlapped(layer, out.reshape(b, width, dim))

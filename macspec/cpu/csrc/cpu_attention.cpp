@@ -113,13 +113,14 @@ void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, con
                  float scale, bool causal, float* y) {
   std::vector<float> qs;
   const int L = q.shape(2);
-  attend_query_rows(rows_of(q, qs), q.shape(1), L, 0, L, q.shape(3), k, v, mask, scale, causal,
-                    y);
+  attend_query_rows(rows_of(q, qs), q.shape(1), L, 0, L, q.shape(3), k, v, k.shape(2), mask,
+                    scale, causal, y);
 }
 
 void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, const mx::array& k,
-                       const mx::array& v, const bool* mask, float scale, bool causal, float* y) {
-  const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
+                       const mx::array& v, int T, const bool* mask, float scale, bool causal,
+                       float* y) {
+  const int KVH = k.shape(1), rep = H / KVH;
   std::vector<float> ks, vs;
   // The cache's keys and values are read in place (a view of its buffer, rows of D in
   // order); any other layout is copied first.

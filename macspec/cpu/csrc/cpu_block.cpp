@@ -15,6 +15,7 @@
 
 #include <optional>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -224,27 +225,28 @@ class AttnMlp : public LayerOp {
 
 // A shared pass's layer after q/k/v (core/batch.py): (h (1, R*W, D), q (1, H, R*W, d), norm
 // weight, Wo, Wg, Wu, Wd, k_0, v_0, ..., k_{R-1}, v_{R-1}) -> as AttnMlp, the ids r*W..(r+1)*W
-// of h and q being row r's, attending over row r's own cache (k_r, v_r), causally: each row's
-// ids get the bits AttnMlp gives them alone, its padding after them.
+// of h and q being row r's, attending over the first lengths[r] positions of row r's own cache
+// buffers (k_r, v_r), causally: each row's ids get the bits AttnMlp gives them alone, its
+// padding after them.
 class RowsAttnMlp : public LayerOp {
  public:
   static constexpr int W0 = 3;
 
-  RowsAttnMlp(mx::Stream s, Mats w, float scale, float eps, int rows)
-      : LayerOp(s), w_(w), scale_(scale), eps_(eps), rows_(rows) {}
+  RowsAttnMlp(mx::Stream s, Mats w, float scale, float eps, std::vector<int> lengths)
+      : LayerOp(s), w_(w), scale_(scale), eps_(eps), lengths_(std::move(lengths)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     check_weights(inputs, W0, W0 + 4 * w_.arrays());
     auto& encoder = start(stream(), inputs, outputs);
     encoder.dispatch([in = inputs, y = outputs[0].data<float>(), w = w_, scale = scale_,
-                      eps = eps_, R = rows_]() {
+                      eps = eps_, T = lengths_]() {
       std::vector<float> hs, qs, ws;
       const int L = in[0].shape(1), D = in[0].shape(2), H = in[1].shape(1), d = in[1].shape(3);
-      const int width = L / R, A = H * d, K0 = W0 + 4 * w.arrays();
+      const int R = T.size(), width = L / R, A = H * d, K0 = W0 + 4 * w.arrays();
       const float* qp = rows_of(in[1], qs);
       std::vector<float> a((size_t)L * A);
       for (int r = 0; r < R; r++) {
-        attend_query_rows(qp, H, L, r * width, width, d, in[K0 + 2 * r], in[K0 + 2 * r + 1],
+        attend_query_rows(qp, H, L, r * width, width, d, in[K0 + 2 * r], in[K0 + 2 * r + 1], T[r],
                           nullptr, scale, width > 1, a.data() + (size_t)r * width * A);
       }
       project_mlp(w, in, W0, rows_of(in[0], hs), rows_of(in[2], ws), eps, a.data(), L, D, y);
@@ -259,14 +261,14 @@ class RowsAttnMlp : public LayerOp {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RowsAttnMlp&>(other);
-    return w_ == o.w_ && scale_ == o.scale_ && eps_ == o.eps_ && rows_ == o.rows_;
+    return w_ == o.w_ && scale_ == o.scale_ && eps_ == o.eps_ && lengths_ == o.lengths_;
   }
 
  private:
   Mats w_;
   float scale_;
   float eps_;
-  int rows_;
+  std::vector<int> lengths_;
 };
 
 static std::invalid_argument refused(const char* what, const char* why) {
@@ -459,6 +461,7 @@ mx::array rows_attn_mlp(
     const mx::array& q,
     const std::vector<mx::array>& keys,
     const std::vector<mx::array>& values,
+    const std::vector<int>& lengths,
     const std::vector<mx::array>& wo,
     const mx::array& norm,
     float eps,
@@ -475,17 +478,19 @@ mx::array rows_attn_mlp(
   }
   const int R = keys.size();
   if (h.ndim() != 3 || h.shape(0) != 1 || q.ndim() != 4 || q.shape(0) != 1 ||
-      q.shape(2) != h.shape(1) || R < 1 || values.size() != keys.size() || h.shape(1) % R) {
+      q.shape(2) != h.shape(1) || R < 1 || values.size() != keys.size() ||
+      lengths.size() != keys.size() || h.shape(1) % R) {
     throw std::invalid_argument(
-        "[macspec rows_attn_mlp] h (1, R*W, D), q (1, H, R*W, d) and R keys and values");
+        "[macspec rows_attn_mlp] h (1, R*W, D), q (1, H, R*W, d), R keys, values and lengths");
   }
   for (int r = 0; r < R; r++) {
     const auto &k = keys[r], &v = values[r];
     check_float32(k, "k");
     check_float32(v, "v");
     if (k.ndim() != 4 || k.shape() != v.shape() || k.shape(3) != q.shape(3) || k.shape(1) <= 0 ||
-        q.shape(1) % k.shape(1) || k.shape(2) < h.shape(1) / R) {
-      throw std::invalid_argument("[macspec rows_attn_mlp] k, v (1, KVH, T >= W, d) each");
+        q.shape(1) % k.shape(1) || lengths[r] < h.shape(1) / R || k.shape(2) < lengths[r]) {
+      throw std::invalid_argument(
+          "[macspec rows_attn_mlp] k, v (1, KVH, >= length, d) each, every length >= W");
     }
   }
   std::vector<mx::array> inputs = {h, q};
@@ -496,7 +501,7 @@ mx::array rows_attn_mlp(
   }
   return mx::array::make_arrays(
       {h.shape()}, {mx::float32},
-      std::make_shared<RowsAttnMlp>(cpu_stream(), w, scale, eps, R), inputs)[0];
+      std::make_shared<RowsAttnMlp>(cpu_stream(), w, scale, eps, lengths), inputs)[0];
 }
 
 void bind_block(nb::module_& m) {
@@ -546,6 +551,7 @@ void bind_block(nb::module_& m) {
       nb::arg("q"),
       nb::arg("keys"),
       nb::arg("values"),
+      nb::arg("lengths"),
       nb::arg("wo"),
       nb::arg("norm"),
       nb::arg("eps"),
