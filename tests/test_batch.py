@@ -452,3 +452,32 @@ def test_the_model_stays_wired_once_while_rows_run(kinds, monkeypatch):
     driver.round(rows)
     driver.release()  # the server's, when its last row was dropped
     assert held[-2:] == ["in", "out"]
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_a_qwen2_model_whose_layers_are_a_slice_shares_passes(accelerated):
+    """qwen2's forward pass reads `pipeline_layers`, a new slice of its trunk's list at each
+    call: the shared pass must reach the layers there (it raised on the 1.5B real pair), with
+    the CPU's layer and with the core's own (the accelerator's off)."""
+    from mlx_lm.models import qwen2
+    from support.tinymodels import llama_like
+
+    from macspec.core.batch import _check
+    from macspec.cpu import kernels
+    from macspec.cpu import rows as cpu_rows
+
+    model = llama_like(qwen2, model_type="qwen2")
+    assert model.layers is not model.model.layers  # a copy: replacing its items reaches nothing
+    kernels.accelerate(model)
+    taken = []
+
+    def counted(*args):
+        out = cpu_rows.rows_layer(*args)
+        taken.append(out is not None)
+        return out
+
+    with rows_layer(counted if accelerated else BY_MODULE):
+        assert _check(model, 64) == 0.0
+        assert shared_reason(model, 64, {"attention": 2}, False) == ""
+    native = kernels.native_layers() is not None and hooks.installed().name == "cpu"
+    assert taken == ([True] * 4 if accelerated and native else [])

@@ -146,9 +146,17 @@ class _RowsLayer(nn.Module):
             self.layer["self_attn"] = self.attn
 
 
+def _layer_list(model: nn.Module) -> list:
+    """The list the model's forward pass reads its layers from at every call: the trunk's own
+    (mlx-lm's `model.layers` may be a copy of part of it: qwen2's `pipeline_layers`)."""
+    trunk = getattr(model, "model", None)
+    layers = trunk.get("layers") if isinstance(trunk, dict) else None  # an nn.Module's children
+    return layers if isinstance(layers, list) else model.layers
+
+
 @contextmanager
 def _attention_per_row(model: nn.Module) -> Iterator[None]:
-    layers = model.layers
+    layers = _layer_list(model)
     if not all(isinstance(layer, dict) and "self_attn" in layer for layer in layers):
         raise CacheError("a layer without `self_attn` cannot take part in a shared pass")
     own = list(layers)
