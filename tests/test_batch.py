@@ -6,13 +6,15 @@ is read in chunks between the others' rounds; a pass that fails rewinds every ro
 from __future__ import annotations
 
 import copy
+import dataclasses
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
 
 import macspec
 from macspec import api
-from macspec.core import NgramDrafter
+from macspec.core import NgramDrafter, hooks
 from macspec.core.batch import shared_pass, shared_reason
 from macspec.core.batch_rounds import PREFILL_CHUNK, BatchDriver, Row, row_rounds
 from macspec.errors import CacheError
@@ -224,9 +226,29 @@ def test_one_shared_pass_gives_each_rows_own_logits(pair):
         assert mx.allclose(states, trunk, atol=1e-4).item()
 
 
+@contextmanager
+def rows_layer(function):
+    """The shared pass's layers run by `function` (hooks.rows_layer) for the duration."""
+    old = hooks.installed()
+    hooks.install(dataclasses.replace(old, rows_layer=function))
+    try:
+        yield
+    finally:
+        hooks.install(old)
+
+
+BY_MODULE = hooks.Hooks().rows_layer  # the core's own: each row's attention through the module
+
+
 def test_a_shared_pass_reads_each_attention_weight_once_for_all_rows(pair):
     """llama/qwen2 attention's q/k/v/o products run once over the block (row-wise: each row's
-    logits stay its own, bit for bit, as `_check` finds), not once per row and its padding."""
+    logits stay its own, bit for bit, as `_check` finds), not once per row and its padding
+    (the core's own path, the accelerator's layer off)."""
+    with rows_layer(BY_MODULE):
+        _shared_pass_reads_each_weight_once(pair)
+
+
+def _shared_pass_reads_each_weight_once(pair):
     from macspec.core.batch import _check
 
     attn = pair.target.model.layers[0].self_attn
@@ -252,6 +274,47 @@ def test_a_shared_pass_reads_each_attention_weight_once_for_all_rows(pair):
             attn[name] = module
     assert calls == {"q_proj": 1, "k_proj": 1, "v_proj": 1, "o_proj": 1}
     assert _check(pair.target, pair.vocab_size) == 0.0
+
+
+def _pass(pair, rows):
+    out = shared_pass(pair.target, pair.vocab_size, rows, hidden=True)
+    mx.eval(out)
+    return out
+
+
+def test_the_cpu_layer_of_a_shared_pass_gives_each_row_its_own_bits(pair):
+    """The CPU's shared-pass layer (cpu/rows.py: q/k/v over the block, each row's attention over
+    its own cache and the MLP in one primitive) runs for every layer, and every row of widths 1,
+    4 and 2 gets the logits, hidden states and cache the module path gives and it gets alone."""
+    from macspec.cpu import kernels
+    from macspec.cpu import rows as cpu_rows
+
+    if kernels.native_layers() is None or hooks.installed().name != "cpu":
+        pytest.skip("no native layers here")
+    taken = []
+
+    def counted(*args):
+        out = cpu_rows.rows_layer(*args)
+        taken.append(out is not None)
+        return out
+
+    with rows_layer(counted):
+        _, fast_rows = three_rows(pair)
+        fast = _pass(pair, fast_rows)
+    assert taken == [True] * len(pair.target.model.layers)
+    with rows_layer(BY_MODULE):
+        _, slow_rows = three_rows(pair)
+        slow = _pass(pair, slow_rows)
+    _, alone_rows = three_rows(pair)
+    alone = [_pass(pair, [row])[0] for row in alone_rows]
+    for got, by_module, by_itself in zip(fast, slow, alone, strict=True):
+        for a, b, c in zip(got, by_module, by_itself, strict=True):
+            assert mx.array_equal(a, b).item() and mx.array_equal(a, c).item()
+    for (fc, _), (sc, _) in zip(fast_rows, slow_rows, strict=True):
+        for f, s in zip(fc, sc, strict=True):
+            assert f.offset == s.offset
+            for x, y in ((f.keys, s.keys), (f.values, s.values)):
+                assert mx.array_equal(x[..., : f.offset, :], y[..., : s.offset, :]).item()
 
 
 def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
@@ -358,3 +421,63 @@ def test_pass_groups_keep_each_pass_within_its_ids():
     for g in groups:
         assert len(g) == 1 or len(g) * max(f.tokens.size for _, f in g) <= 16
     assert [[i for i, _ in g] for g in groups] == [[1, 3, 0], [2, 5], [4]]
+
+
+def test_the_model_stays_wired_once_while_rows_run(kinds, monkeypatch):
+    """Metal hygiene as generate_rounds has it: mlx-lm's wired_limit entered once for the whole
+    batch when its first round runs, left when its last row ends, entered again for the next."""
+    from macspec.core import memory
+
+    held = []
+
+    @contextmanager
+    def wired(model):
+        held.append("in")
+        yield
+        held.append("out")
+
+    monkeypatch.setattr(memory, "wired_limit", wired)
+    opts = {"max_tokens": 6, "temperature": 0.0, "adaptive": False}
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    for n in (2, 1):
+        rows = [open_row(kinds["model"], PROMPTS[i], **opts)[1] for i in range(n)]
+        rounds = 0
+        while rows:
+            results = driver.round(rows)
+            rows = [row for row, got in results if not isinstance(got, Exception)]
+            rounds += 1
+            assert held[-1] == ("out" if not rows else "in")
+        assert rounds > 2 and held == ["in", "out"] * (3 - n)
+    rows = [open_row(kinds["model"], PROMPTS[0], **opts)[1]]
+    driver.round(rows)
+    driver.release()  # the server's, when its last row was dropped
+    assert held[-2:] == ["in", "out"]
+
+
+@pytest.mark.parametrize("accelerated", [True, False])
+def test_a_qwen2_model_whose_layers_are_a_slice_shares_passes(accelerated):
+    """qwen2's forward pass reads `pipeline_layers`, a new slice of its trunk's list at each
+    call: the shared pass must reach the layers there (it raised on the 1.5B real pair), with
+    the CPU's layer and with the core's own (the accelerator's off)."""
+    from mlx_lm.models import qwen2
+    from support.tinymodels import llama_like
+
+    from macspec.core.batch import _check
+    from macspec.cpu import kernels
+    from macspec.cpu import rows as cpu_rows
+
+    model = llama_like(qwen2, model_type="qwen2")
+    assert model.layers is not model.model.layers  # a copy: replacing its items reaches nothing
+    kernels.accelerate(model)
+    taken = []
+
+    def counted(*args):
+        out = cpu_rows.rows_layer(*args)
+        taken.append(out is not None)
+        return out
+
+    with rows_layer(counted if accelerated else BY_MODULE):
+        assert _check(model, 64) == 0.0
+        assert shared_reason(model, 64, {"attention": 2}, False) == ""
+    native = kernels.native_layers() is not None and hooks.installed().name == "cpu"
+    assert taken == ([True] * 4 if accelerated and native else [])

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..errors import CacheError
+from . import hooks
 from .target import Target, output_head
 
 
@@ -113,19 +115,56 @@ class _RowsAttention(nn.Module):
         return mx.concatenate(outs)
 
 
+class _RowsLayer(nn.Module):
+    """A decoder layer in a shared pass: the accelerator's own (hooks.rows_layer), else the
+    layer itself with its attention run row by row (`_RowsAttention`)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.attn = layer, layer["self_attn"]
+        self.rows = _RowsAttention(self.attn)
+
+    def __getattr__(self, key: str) -> Any:
+        # The model reads its layers' own attributes (llama's `use_sliding`).
+        if key in self:
+            return self[key]
+        if "layer" in self:
+            return getattr(self["layer"], key)
+        raise AttributeError(key)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        # mlx-lm's layers take (x, mask, cache), the cache by name or by place.
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if isinstance(cache, _Rows) and len(args) + len(kwargs) <= 2:
+            out = hooks.rows_layer(self.layer, x, cache.caches)
+            if out is not None:
+                return out
+        self.layer["self_attn"] = self.rows
+        try:
+            return self.layer(x, *args, **kwargs)
+        finally:
+            self.layer["self_attn"] = self.attn
+
+
+def _layer_list(model: nn.Module) -> list:
+    """The list the model's forward pass reads its layers from at every call: the trunk's own
+    (mlx-lm's `model.layers` may be a copy of part of it: qwen2's `pipeline_layers`)."""
+    trunk = getattr(model, "model", None)
+    layers = trunk.get("layers") if isinstance(trunk, dict) else None  # an nn.Module's children
+    return layers if isinstance(layers, list) else model.layers
+
+
 @contextmanager
 def _attention_per_row(model: nn.Module) -> Iterator[None]:
-    layers = model.layers
-    attns = [layer.get("self_attn") if isinstance(layer, dict) else None for layer in layers]
-    if any(a is None for a in attns):
+    layers = _layer_list(model)
+    if not all(isinstance(layer, dict) and "self_attn" in layer for layer in layers):
         raise CacheError("a layer without `self_attn` cannot take part in a shared pass")
-    for layer, attn in zip(layers, attns, strict=True):
-        layer["self_attn"] = _RowsAttention(attn)
+    own = list(layers)
+    layers[:] = [_RowsLayer(layer) for layer in own]
     try:
         yield
     finally:
-        for layer, attn in zip(layers, attns, strict=True):
-            layer["self_attn"] = attn
+        layers[:] = own
 
 
 def shared_pass(

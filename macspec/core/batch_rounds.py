@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -25,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CacheError, OptionError
-from . import caches, hooks
+from . import caches, hooks, memory
 from .batch import can_share, shared_pass
 from .batch_k import Bid, PassPrices, bid, choose_ks
 from .caches import Hit, PromptCache
@@ -42,7 +43,6 @@ from .loop import (
     _round,
     _Verdict,
 )
-from .memory import CacheClearing
 from .policy import FixedK, Policy
 from .sampling import SamplingOptions, sample
 from .target import Target
@@ -95,7 +95,7 @@ def row_rounds(
     history, max_step = list(prompt), _max_step(policy, target, prompt_cache)
     kept, prefill_time = yield from _start(target, drafter, prompt, max_step, prompt_cache, chunk)
     opening = (prefill_time, kept.length if kept else 0)
-    generated, steady, clearing, ready = 0, True, CacheClearing(), perf_counter()
+    generated, steady, clearing, ready = 0, True, memory.CacheClearing(), perf_counter()
     try:
         while True:
             room = min(max_tokens - generated, context_length - len(history))
@@ -243,10 +243,27 @@ class BatchDriver:
         self.prices = PassPrices()
         self.company = 0  # rows in the round being run (row_rounds' `company`)
         self.max_ids = hooks.alike_rows(model)  # ids a pass may hold, rows alike to alone
+        self._wired: ExitStack | None = None  # mlx-lm's wired limit, held while rows run
 
     def round(self, rows: list[Row]) -> list[tuple[Row, Round | Exception | None]]:
         """Each row's next round: its Round appended to `row.ready` (also returned), None for a
-        row still reading its prompt, or the exception that ended it."""
+        row still reading its prompt, or the exception that ended it. The model's memory stays
+        wired (Metal) from the first round until every row has ended (or `release`)."""
+        if self._wired is None:
+            self._wired = ExitStack()
+            self._wired.enter_context(memory.wired_limit(self.model))
+        out = self._round(rows)
+        if all(isinstance(got, Exception) for got in out.values()):
+            self.release()
+        return [(row, out[i]) for i, row in enumerate(rows)]
+
+    def release(self) -> None:
+        """Unwire the model's memory (the rows ended or were dropped); the next round wires it."""
+        if self._wired is not None:
+            wired, self._wired = self._wired, None
+            wired.close()
+
+    def _round(self, rows: list[Row]) -> dict[int, Any]:
         self.company = len(rows)
         out: dict[int, Any] = {i: _advance(row, None) for i, row in enumerate(rows)}
         bids = [(i, got) for i, got in out.items() if isinstance(got, Bid)]
@@ -263,7 +280,7 @@ class BatchDriver:
                 out[i] = None
             elif isinstance(got, Round):
                 rows[i].ready.append(got)
-        return [(row, out[i]) for i, row in enumerate(rows)]
+        return out
 
     def ks(self, bids: list[Bid]) -> list[int]:
         """The K of each row sharing the pass: chosen for the batch where the pair's costs are

@@ -51,6 +51,10 @@ def _any_rows(model: nn.Module) -> int | None:
     return None
 
 
+def _rows_by_module(layer: nn.Module, x: mx.array, caches: list) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Hooks:
     """The replaceable parts, each with its plain-mlx default.
@@ -71,7 +75,11 @@ class Hooks:
       products of `module`);
     - setup(): what of the accelerator is active, as plain data (measured costs depend on it);
     - alike_rows(model): the most ids one pass of `model` may hold for each row's results to be
-      the very bits that row gets in a pass of its own (None: any number)."""
+      the very bits that row gets in a pass of its own (None: any number);
+    - rows_layer(layer, x, caches): a decoder layer's output in a shared pass (batch.py), the
+      block x (B, W, hidden), row r fed after its own cache caches[r] (its padding after its
+      real ids), each row's real ids getting the bits they get alone; None where the
+      accelerator cannot (the core then runs each row's attention through the module)."""
 
     name: str = "mlx"
     softmax: Callable[..., mx.array] = _softmax
@@ -84,6 +92,7 @@ class Hooks:
     accelerate_layers: Callable[[nn.Module, list], int] = _unchanged
     setup: Callable[[], dict] = field(default=dict)
     alike_rows: Callable[[nn.Module], int | None] = _any_rows
+    rows_layer: Callable[[nn.Module, mx.array, list], mx.array | None] = _rows_by_module
 
 
 _installed = Hooks()
@@ -138,3 +147,7 @@ def setup() -> dict:
 
 def alike_rows(model: nn.Module) -> int | None:
     return _installed.alike_rows(model)
+
+
+def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> mx.array | None:
+    return _installed.rows_layer(layer, x, caches)

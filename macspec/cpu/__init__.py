@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
-from . import blocks, kernels, products
+from . import blocks, kernels, products, rows
 
 
 @contextmanager
@@ -65,6 +65,7 @@ HOOKS = hooks.Hooks(
     accelerate_layers=accelerate_draft,
     setup=setup,
     alike_rows=products.alike_rows,
+    rows_layer=rows.rows_layer,
 )
 
 

@@ -74,7 +74,7 @@ class _Checked:
         self.arrays, self.weights = arrays, weights
 
 
-def _weights(layer: nn.Module) -> tuple | None:
+def layer_weights(layer: nn.Module) -> tuple | None:
     """The layer's weights in the primitives' order and their layout, or None where they are not
     the plain case. Checked again only when one of its arrays was replaced (read as dict items:
     cheaper than nn.Module attributes, which count here)."""
@@ -147,10 +147,10 @@ def block_pass(
     checked the rows, mask and cache); this adds the weights' own conditions."""
     if not _enabled or not products.active():
         return None
-    weights = _weights(layer)
+    weights = layer_weights(layer)
     if weights is None:
         return None
-    q, k, v = _qkv_rope(layer, ext, table, offset, tree, x, weights)
+    q, k, v = qkv_rope(layer, ext, table, offset, tree, x, weights)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     w2, wg, wu, wd, (bits, group) = weights[6:]
@@ -162,7 +162,7 @@ def block_pass(
     )  # fmt: skip
 
 
-def _qkv_rope(
+def qkv_rope(
     layer: nn.Module, ext: Any, table: Any, offset: int, tree: Any, x: mx.array, weights: tuple
 ) -> tuple[mx.array, mx.array, mx.array]:
     """The first primitive: norm, q/k/v products and RoPE of the rows of `x`."""

@@ -483,7 +483,12 @@ def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
     out = _fused_call(self, *args, **kwargs) if self._macspec_fusable else None
     if out is None:
         out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
-    if _overlap and self._macspec_overlap and isinstance(out, mx.array) and products.active():
+    return overlapped(self, out)
+
+
+def overlapped(layer: nn.Module, out: Any) -> Any:
+    """`out`, the layer's output, its evaluation started where this layer starts one."""
+    if _overlap and layer._macspec_overlap and isinstance(out, mx.array) and products.active():
         mx.async_eval(out)
     return out
 

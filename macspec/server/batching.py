@@ -91,6 +91,8 @@ class BatchScheduler(Scheduler):
                 finished.append(job)
         for job in finished:
             self._rows.pop(id(job), None)
+        if not self._rows:
+            self._driver.release()  # no row left: the model's memory unwired until the next
         return finished
 
     def _open(self, job: Job) -> bool:

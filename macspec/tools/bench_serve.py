@@ -4,7 +4,9 @@ requests verified in one target pass (server/batching.py) against taking turns, 
     python -m macspec.tools.bench_serve [--target DIR --draft DIR] [--clients 1 2 4 8]
 
 Every client asks the same number of requests (built-in prompts, greedy, so both ways produce
-the same tokens: checked). The server runs in this process over loopback HTTP.
+the same tokens: checked). The server runs in this process over loopback HTTP. Both ways are
+warmed alike (every timed request asked once each way first), take turns at going first, and
+the medians over `--repeats` are reported.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import os
 import platform
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 from .prompts import builtin_prompts
@@ -75,27 +79,40 @@ def measure(
 
 
 def run(
-    pair: Any, clients: list[int], per_client: int, max_tokens: int, repeats: int, own_k: bool
+    pair: Any,
+    clients: list[int],
+    per_client: int,
+    max_tokens: int,
+    repeats: int,
+    own_k: bool,
+    measure: Callable[..., dict] = measure,
 ) -> dict:
-    """Each client count, taking turns then batched, `repeats` times (interleaved), after one
-    untimed request each way; `own_k`: also batched with each row drafting its own policy's K
-    (no choice for the batch)."""
-    for batch in (False, True):  # untimed: the first requests of a process pay its warm-up
-        measure(pair, 1, batch, 1, max_tokens)
-    rows = []
+    """Each client count, taking turns and batched, `repeats` times, after one untimed run each
+    way of every request the timed runs make (the pair's prompt cache and its policies'
+    observations then start alike for both; the first requests of a process pay its warm-up).
+    The two ways take turns at going first; the medians over the repeats are the result.
+    `own_k`: also batched with each row drafting its own policy's K (no choice for the batch)."""
+    for batch in (False, True):
+        measure(pair, max(clients), batch, per_client, max_tokens)
+    rows, summaries = [], []
     for n in clients:
+        mine = []
         for _ in range(repeats):
-            turns = measure(pair, n, False, per_client, max_tokens)
-            batched = measure(pair, n, True, per_client, max_tokens)
-            row = _row(n, turns, batched)
+            first = len(rows) % 2 == 1  # batched first every other time
+            got = {b: measure(pair, n, b, per_client, max_tokens) for b in (first, not first)}
+            row = _row(n, got[False], got[True])
             if own_k:
                 own = measure(pair, n, True, per_client, max_tokens, choose=False)
                 row["own_k_tps"] = own["tokens_per_second"]
-                row["own_k_ratio"] = round(own["tokens_per_second"] / turns["tokens_per_second"], 3)
+                row["own_k_ratio"] = round(own["tokens_per_second"] / row["turns_tps"], 3)
                 row["own_k_drafts_per_row"] = own["drafts_per_shared_row"]
-                row["same_answers"] &= own["texts"] == turns["texts"]
+                row["same_answers"] &= own["texts"] == got[False]["texts"]
             rows.append(row)
-            print(_line(rows[-1]), flush=True)
+            mine.append(row)
+            print(_line(row), flush=True)
+        summaries.append(summary(mine))
+    for s in summaries:
+        print(_summary_line(s), flush=True)
     return {
         "pair": pair.describe(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -103,7 +120,32 @@ def run(
         "per_client": per_client,
         "max_tokens": max_tokens,
         "rows": rows,
+        "medians": summaries,
     }
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of one client count's repeats, the ratios' range, and whether every repeat
+    gave the same answers both ways."""
+    ratios = [r["ratio"] for r in rows]
+    return {
+        "clients": rows[0]["clients"],
+        "repeats": len(rows),
+        "turns_tps": round(median(r["turns_tps"] for r in rows), 2),
+        "batched_tps": round(median(r["batched_tps"] for r in rows), 2),
+        "ratio": round(median(ratios), 3),
+        "ratio_range": [min(ratios), max(ratios)],
+        "same_answers": all(r["same_answers"] for r in rows),
+    }
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    low, high = s["ratio_range"]
+    return (
+        f"median of {s['repeats']}, {s['clients']} clients: taking turns {s['turns_tps']} tok/s, "
+        f"batched {s['batched_tps']} tok/s, {s['ratio']}x ({low}-{high}x), "
+        f"same answers: {s['same_answers']}"
+    )
 
 
 def _row(n: int, turns: dict[str, Any], batched: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--per-client", type=int, default=2, help="requests each client asks")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs each way (median shown)")
     p.add_argument("--output", help="write the results as JSON here")
     p.add_argument(
         "--own-k", action="store_true", help="also batched with each row's own K (no choice)"

@@ -111,10 +111,17 @@ static void weigh_values(const float* p, const float* vb, size_t vt, int n, int 
 
 void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
                  float scale, bool causal, float* y) {
-  const int H = q.shape(1), L = q.shape(2), D = q.shape(3);
-  const int KVH = k.shape(1), T = k.shape(2), rep = H / KVH;
-  std::vector<float> qs, ks, vs;
-  const float* qp = rows_of(q, qs);
+  std::vector<float> qs;
+  const int L = q.shape(2);
+  attend_query_rows(rows_of(q, qs), q.shape(1), L, 0, L, q.shape(3), k, v, k.shape(2), mask,
+                    scale, causal, y);
+}
+
+void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, const mx::array& k,
+                       const mx::array& v, int T, const bool* mask, float scale, bool causal,
+                       float* y) {
+  const int KVH = k.shape(1), rep = H / KVH;
+  std::vector<float> ks, vs;
   // The cache's keys and values are read in place (a view of its buffer, rows of D in
   // order); any other layout is copied first.
   size_t kh, kt, vh, vt;
@@ -141,7 +148,7 @@ void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, con
       const int padded = (n + 7) / 8 * 8;
       scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
       for (int j = 0; j < rep; j++) {
-        const float* qi = qp + ((size_t)(g * rep + j) * L + i) * D;
+        const float* qi = qp + ((size_t)(g * rep + j) * Lq + q0 + i) * D;
         float* sj = scores.data() + (size_t)j * padded;
         float top = -INFINITY;
         int t = 0;

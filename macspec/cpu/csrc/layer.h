@@ -98,6 +98,11 @@ void rope_rows(const float* q, const float* k, const float* v, const float* cos,
 // cpu_attention.cpp: q (1, H, L, D); k, v (1, KVH, T, D), read in place where rows lie in order.
 void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
                  float scale, bool causal, float* y);
+// The same for the query rows q0..q0+L of qp (H, Lq, D) (one row's ids of a shared pass's block)
+// over the first T keys and values of k, v (a cache's whole buffer).
+void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, const mx::array& k,
+                       const mx::array& v, int T, const bool* mask, float scale, bool causal,
+                       float* y);
 
 class LayerOp : public mx::Primitive {
  public:
