@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
-from . import blocks, kernels, products, rows
+from . import blocks, kernels, products, rows, sample
 
 
 @contextmanager
@@ -56,8 +56,8 @@ def setup() -> dict:
 HOOKS = hooks.Hooks(
     name="cpu",
     softmax=kernels.softmax,
-    argmax=kernels.argmax,
-    inverse_cdf=kernels.inverse_cdf,
+    argmax=sample.argmax,
+    inverse_cdf=sample.inverse_cdf,
     matmul_t=products.matmul_t,
     serial=kernels.serial,
     tree_positions=tree_positions,

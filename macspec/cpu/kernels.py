@@ -28,7 +28,6 @@ import mlx.nn as nn
 import numpy as np
 
 from .. import switches
-from ..core import hooks
 from . import blocks, native, products
 from .products import on_cpu
 
@@ -142,24 +141,6 @@ def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
         x = x / temperature
     e = _softmax_exp(x, mx.max(x, axis=-1, keepdims=True))
     return e / mx.sum(e, axis=-1, keepdims=True)
-
-
-def argmax(x: mx.array) -> mx.array:
-    """hooks.argmax: over the last axis of (rows, V) float32 rows, on every core where the
-    native primitive is built (mlx's took 0.2-0.4 ms a row of 152k ids on one core)."""
-    ext = native_layers()
-    if ext is not None and on_cpu() and x.ndim == 2 and x.dtype == mx.float32 and x.shape[1]:
-        return ext.argmax(x)
-    return mx.argmax(x, axis=-1)
-
-
-def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
-    """hooks.inverse_cdf on every core where the native primitive is built (mlx's cumulative
-    sum took ~0.7 ms a row of 152k ids on one core)."""
-    ext = native_layers()
-    if ext is not None and on_cpu() and probs.ndim == 2 and probs.shape[1]:
-        return ext.sample(probs.astype(mx.float32), u.astype(mx.float32))
-    return hooks.inverse_cdf_mlx(probs, u)
 
 
 class TableRoPE:

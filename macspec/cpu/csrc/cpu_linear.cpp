@@ -254,6 +254,7 @@ mx::array qlinear(
 }
 
 void bind_layer(nb::module_& m);  // cpu_layer.cpp
+void bind_sample(nb::module_& m);  // cpu_sample.cpp
 void bind_block(nb::module_& m);  // cpu_block.cpp
 
 }  // namespace macspec
@@ -261,6 +262,7 @@ void bind_block(nb::module_& m);  // cpu_block.cpp
 NB_MODULE(_macspec_cpu, m) {
   m.doc() = "macspec's CPU kernels: products for a few rows, and the rest of a decoder layer";
   macspec::bind_layer(m);
+  macspec::bind_sample(m);
   macspec::bind_block(m);
   m.def("linear", &macspec::linear, nb::arg("x"), nb::arg("w"));
   m.def(

@@ -47,12 +47,7 @@ inline void transpose(const Block& k, size_t at, vi* out) {
     }
     z[j] = t;
   }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = {_mm512_unpacklo_epi64(t0, t2)};
-  out[1] = {_mm512_unpackhi_epi64(t0, t2)};
-  out[2] = {_mm512_unpacklo_epi64(t1, t3)};
-  out[3] = {_mm512_unpackhi_epi64(t1, t3)};
+  interleave_quarters(z, out);
 }
 
 // acc[m][0] += 16 bytes at `at` of the block's rows (low nibbles) times x's dwords of them,

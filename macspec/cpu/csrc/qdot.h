@@ -117,6 +117,17 @@ static inline vf accumulate(vf f, vi acc, vf scale, float d, vf bias, float xs) 
   return {_mm512_fmadd_ps(bias.v, _mm512_set1_ps(xs), t)};
 }
 
+// z[j] holding 16 bytes of rows j, 4 + j, 8 + j, 12 + j in its quarters, as 4 vectors: out[c]
+// lane r = bytes 4c..4c+3 of row r.
+static inline void interleave_quarters(const __m512i* z, vi* out) {
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = {_mm512_unpacklo_epi64(t0, t2)};
+  out[1] = {_mm512_unpackhi_epi64(t0, t2)};
+  out[2] = {_mm512_unpacklo_epi64(t1, t3)};
+  out[3] = {_mm512_unpackhi_epi64(t1, t3)};
+}
+
 // 16 bytes at `at` of rows rp[0..15] as 4 vectors: out[c] lane r = bytes 4c..4c+3 of row r.
 static inline void transpose(const uint8_t* const* rp, size_t at, vi* out) {
   __m512i z[4];
@@ -126,12 +137,7 @@ static inline void transpose(const uint8_t* const* rp, size_t at, vi* out) {
     t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(rp[8 + j] + at)), 2);
     z[j] = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(rp[12 + j] + at)), 3);
   }
-  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-  out[0] = {_mm512_unpacklo_epi64(t0, t2)};
-  out[1] = {_mm512_unpackhi_epi64(t0, t2)};
-  out[2] = {_mm512_unpacklo_epi64(t1, t3)};
-  out[3] = {_mm512_unpackhi_epi64(t1, t3)};
+  interleave_quarters(z, out);
 }
 
 // 16 values of a scale or bias array at p (n of them; the rest read as 0) as floats.
