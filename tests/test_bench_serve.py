@@ -40,3 +40,37 @@ def test_both_ways_are_warmed_alike_alternate_and_report_medians(capsys):
     assert med["ratio"] == 2.0  # the median of 2.0, 0.622 and 2.0
     assert med["ratio_range"] == [0.622, 2.0] and med["same_answers"] is True
     assert "median of 3, 4 clients" in capsys.readouterr().out
+
+
+def test_macspec_bench_serve_reports_each_client_count_against_taking_turns():
+    from macspec.tools import serve_bench
+
+    medians = [
+        {
+            "clients": n,
+            "turns_tps": 40.0,
+            "batched_tps": 40.0 * r,
+            "ratio": r,
+            "ratio_range": [r - 0.1, r + 0.1],
+            "same_answers": True,
+        }
+        for n, r in ((1, 1.0), (2, 1.5), (4, 2.1), (8, 2.6))
+    ]
+    result = {
+        "pair": "stand-in pair",
+        "machine": "x86_64",
+        "ttft": [
+            {
+                "turn": 1,
+                "prompt_tokens": 62,
+                "cached_tokens": 0,
+                "ttft_without_cache": 0.3,
+                "ttft": 0.3,
+            }
+        ],
+        "clients": {"medians": medians},
+    }
+    lines = serve_bench.report(result).splitlines()
+    assert "| 4 | 40.0 | 84.0 | 2.1x (2.0-2.2x) | True |" in lines
+    assert [line.split(" | ")[0] for line in lines[-4:]] == ["| 1", "| 2", "| 4", "| 8"]
+    assert serve_bench.CLIENTS == (1, 2, 4, 8)

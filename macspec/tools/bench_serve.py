@@ -78,6 +78,13 @@ def measure(
     }
 
 
+# The table each repeat's line (_line) belongs to.
+HEADER = (
+    "| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | drafts/row | tokens "
+    "| same |\n| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+)
+
+
 def run(
     pair: Any,
     clients: list[int],
@@ -190,11 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pair = macspec.load(args.target, args.draft)
     print(f"{pair.describe()}\n")
-    print(
-        "| clients | taking turns tok/s | batched tok/s | ratio | rows/pass | drafts/row | tokens "
-        "| same |"
-    )
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(HEADER)
     result = run(pair, args.clients, args.per_client, args.max_tokens, args.repeats, args.own_k)
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))

@@ -2,8 +2,8 @@
 
 1. Time to first token against conversation length: one chat, turn after turn (greedy, so both
    runs see the same conversation), with the pair's prompt cache and without it.
-2. Aggregate tokens/s of `macspec serve` (in this process, over loopback HTTP) with 1 client and
-   with 4 clients asking at once, each request a different prompt.
+2. Aggregate tokens/s of `macspec serve` (in this process, over loopback HTTP) with 1, 2, 4 and 8
+   clients asking at once, verified in one target pass against taking turns (bench_serve.py).
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ import os
 import platform
 import statistics
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from ..api import stream_generate
 from ..core.caches import PromptCache
+from . import bench_serve
 from .prompts import builtin_prompts
+
+CLIENTS = (1, 2, 4, 8)  # clients at once, each asking one request
 
 
 def time_to_first_token(
@@ -53,45 +54,6 @@ def time_to_first_token(
     return rows
 
 
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.loads(response.read())
-
-
-def concurrent_clients(
-    pair: Any, clients: int, requests: int = 8, max_tokens: int = 64
-) -> dict[str, Any]:
-    """`requests` answers (different prompts) from `clients` clients at once: aggregate tok/s."""
-    from ..server.command import serving
-
-    asks = [p.text for p in builtin_prompts(per_kind=0)][:requests]
-    with serving(pair, parallel=clients) as base:
-        url = base + "/v1/chat/completions"
-
-        def ask(text: str) -> dict[str, Any]:
-            body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-            return _post(url, {**body, "temperature": 0.0})["usage"]
-
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
-            usages = list(pool.map(ask, asks))
-        wall = time.perf_counter() - t0
-    tokens = sum(u["completion_tokens"] for u in usages)
-    return {
-        "clients": clients,
-        "requests": len(usages),
-        "completion_tokens": tokens,
-        "seconds": round(wall, 2),
-        "aggregate_tokens_per_second": round(tokens / wall, 2),
-        "mean_request_tokens_per_second": round(
-            sum(u["speculative"]["tokens_per_second"] for u in usages) / len(usages), 2
-        ),
-    }
-
-
 def _median_runs(pair: Any, turns: int, max_tokens: int, cache: bool, repeats: int) -> list:
     """time_to_first_token `repeats` times (a fresh cache each), each turn's median TTFT: the
     machine is shared, and one busy moment should not make a row."""
@@ -108,7 +70,8 @@ def run(
         without = _median_runs(pair, turns, max_tokens, False, repeats)
         with_cache = _median_runs(pair, turns, max_tokens, True, repeats)
         pair.prompt_cache = kept
-        clients = [concurrent_clients(pair, n, 8, max_tokens) for n in (1, 4)]
+        print(bench_serve.HEADER, flush=True)
+        clients = bench_serve.run(pair, list(CLIENTS), 1, max_tokens, repeats, own_k=False)
     finally:
         pair.prompt_cache = kept
     result = {
@@ -144,11 +107,12 @@ def report(result: dict[str, Any]) -> str:
             f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | "
             f"{r['ttft_without_cache'] * 1000:.0f} ms | {r['ttft'] * 1000:.0f} ms |"
         )
-    lines += ["", "| clients | requests | tokens | seconds | aggregate tok/s | tok/s per request |"]
-    lines.append("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for c in result["clients"]:
+    lines += ["", "| clients | taking turns tok/s | batched tok/s | ratio (range) | same answers |"]
+    lines.append("| ---: | ---: | ---: | ---: | --- |")
+    for c in result["clients"]["medians"]:
+        low, high = c["ratio_range"]
         lines.append(
-            f"| {c['clients']} | {c['requests']} | {c['completion_tokens']} | {c['seconds']} | "
-            f"{c['aggregate_tokens_per_second']} | {c['mean_request_tokens_per_second']} |"
+            f"| {c['clients']} | {c['turns_tps']} | {c['batched_tps']} | "
+            f"{c['ratio']}x ({low}-{high}x) | {c['same_answers']} |"
         )
     return "\n".join(lines)
