@@ -38,12 +38,13 @@ def variants(pair):
     return {"model": pair, "ngram": ngram, "plain": plain}
 
 
-def open_row(pair, prompt, **options):
-    """A generation whose rounds a BatchDriver runs: (its stream, its row)."""
+def open_row(pair, prompt, chunk=PREFILL_CHUNK, **options):
+    """A generation whose rounds a BatchDriver runs, reading its prompt `chunk` ids at a time:
+    (its stream, its row)."""
     made = {}
 
     def rounds(*args, **kwargs):
-        made["row"] = Row(row_rounds(*args, **kwargs))
+        made["row"] = Row(row_rounds(*args, chunk=chunk, **kwargs))
         return made["row"]
 
     ids = api.prompt_ids(pair, prompt)
@@ -156,6 +157,31 @@ def test_a_long_prompt_is_read_in_chunks_between_the_others_rounds(kinds):
                     del streams[i]
     # The short row answers from the first round on; the long one reads its 3 chunks first.
     assert first == [1, 4]
+
+
+def test_a_long_prompt_is_read_in_chunks_where_the_drafter_reads_hidden_states(eagle):
+    # The hidden states of every chunk, in order, feed the EAGLE draft: what the row gets alone.
+    opts = {"max_tokens": 20, "temperature": 0.0, "adaptive": False}
+    chunk = 64  # the tiny target's context holds 256 ids
+    long_ids = [(7 * i + 2) % 60 + 3 for i in range(2 * chunk + 5)]
+    requests = [(eagle["model"], PROMPTS[2], opts), (eagle["model"], long_ids, opts)]
+    driver = BatchDriver(eagle["model"].target, eagle["model"].vocab_size)
+    streams = dict(enumerate(open_row(p, prompt, chunk=chunk, **o) for p, prompt, o in requests))
+    first, got_ids = [0, 0], {0: [], 1: []}
+    for n in range(1, 40):
+        keys = list(streams)
+        if not keys:
+            break
+        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
+            assert not isinstance(got, Exception)
+            if got is not None:
+                first[i] = first[i] or n
+                event = next(streams[i][0])
+                got_ids[i] += list(event.emitted)
+                if event.finish_reason:
+                    del streams[i]
+    assert first == [1, 3]  # the long row reads its prompt in 3 chunks first
+    assert [got_ids[0], got_ids[1]] == [alone(p, prompt, **o) for p, prompt, o in requests]
 
 
 def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):

@@ -140,19 +140,21 @@ def _start(
     spent, t0 = 0.0, perf_counter()
     kept = prompt_cache.restore(prompt, drafter, max_step) if prompt_cache is not None else None
     cache = kept.target if kept is not None else None
-    if target.keep_hidden:  # its hidden states must cover the whole prompt: one go
-        target.start(prompt, max_step, cache)
-    else:
-        end = len(prompt) - 1  # the target holds all but the last id
-        done = caches.length(cache) if cache is not None else 0
-        for stop in [*range(done + chunk, end, chunk), end]:
-            target.start(prompt[: stop + 1], max_step, cache)  # reads prompt[done:stop]
-            cache = target.cache
-            if stop < end:
-                mx.eval(caches.state_arrays(cache))
-                spent += perf_counter() - t0
-                yield PREFILLING
-                t0 = perf_counter()
+    end = len(prompt) - 1  # the target holds all but the last id
+    done = caches.length(cache) if cache is not None else 0
+    hidden = []  # a drafter that reads hidden states gets them for every id read, in order
+    for stop in [*range(done + chunk, end, chunk), end]:
+        target.start(prompt[: stop + 1], max_step, cache)  # reads prompt[done:stop]
+        cache = target.cache
+        if target.hidden is not None:
+            hidden.append(target.hidden)
+        if stop < end:
+            mx.eval(caches.state_arrays(cache))
+            spent += perf_counter() - t0
+            yield PREFILLING
+            t0 = perf_counter()
+    if target.keep_hidden:
+        target.hidden = mx.concatenate(hidden) if hidden else None
     if drafter is not None:
         if kept is not None:
             drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
