@@ -184,6 +184,34 @@ def test_a_long_prompt_is_read_in_chunks_where_the_drafter_reads_hidden_states(e
     assert [got_ids[0], got_ids[1]] == [alone(p, prompt, **o) for p, prompt, o in requests]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_model_reads_a_long_prompt_in_chunks_too(kinds, temperature):
+    # The target's chunks, then the draft model's (resumed from its own state after each): the
+    # same answer as alone, greedy and by seed.
+    opts = {"max_tokens": 20, "temperature": temperature, "seed": 5, "adaptive": False}
+    chunk = 64
+    shift = int(temperature * 7)  # not a prompt the pair's prompt cache holds from the other case
+    long_ids = [(3 * i + 4 + shift) % 60 + 3 for i in range(2 * chunk + 5)]
+    requests = [(kinds["model"], PROMPTS[0], opts), (kinds["model"], long_ids, opts)]
+    driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
+    streams = dict(enumerate(open_row(p, prompt, chunk=chunk, **o) for p, prompt, o in requests))
+    first, got_ids = [0, 0], {0: [], 1: []}
+    for n in range(1, 60):
+        keys = list(streams)
+        if not keys:
+            break
+        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
+            assert not isinstance(got, Exception)
+            if got is not None:
+                first[i] = first[i] or n
+                event = next(streams[i][0])
+                got_ids[i] += list(event.emitted)
+                if event.finish_reason:
+                    del streams[i]
+    assert first == [1, 5]  # 3 chunks of the target's, then 3 of the draft's
+    assert [got_ids[0], got_ids[1]] == [alone(p, prompt, **o) for p, prompt, o in requests]
+
+
 def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):
     opts = {"max_tokens": 8, "temperature": 0.0, "adaptive": False}
     streams = [open_row(kinds["model"], p, **opts) for p in PROMPTS[:2]]

@@ -135,8 +135,9 @@ def _start(
     prompt_cache: PromptCache | None,
     chunk: int,
 ) -> Generator[Any, Any, tuple[Hit | None, float]]:
-    """loop._start with the target's prefill in chunks of `chunk` ids, yielding PREFILLING
-    between them. Returns the kept states used and the seconds this row spent."""
+    """loop._start with the target's prefill in chunks of `chunk` ids, then a draft model's,
+    yielding PREFILLING between them. Returns the kept states used and the seconds this row
+    spent."""
     spent, t0 = 0.0, perf_counter()
     kept = prompt_cache.restore(prompt, drafter, max_step) if prompt_cache is not None else None
     cache = kept.target if kept is not None else None
@@ -156,13 +157,30 @@ def _start(
     if target.keep_hidden:
         target.hidden = mx.concatenate(hidden) if hidden else None
     if drafter is not None:
-        if kept is not None:
+        state, n = (kept.draft, kept.draft_length) if kept is not None else (None, 0)
+        if state is None and _reads_alone(drafter):  # a draft model: its prompt in chunks too
+            for stop in [*range(chunk, end, chunk), end]:
+                drafter.resume(state, prompt[: stop + 1], n, None, max_step)
+                state, n = drafter.snapshot(), stop
+                if stop < end:
+                    mx.eval(caches.state_arrays(state.cache))
+                    spent += perf_counter() - t0
+                    yield PREFILLING
+                    t0 = perf_counter()
+        elif kept is not None:
             drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
         else:
             drafter.start(prompt, target.hidden, max_step)
     if prompt_cache is not None and prompt_cache.wants_checkpoint(target.cache):
         prompt_cache.save(prompt, target.cache, drafter)
     return kept, spent + perf_counter() - t0
+
+
+def _reads_alone(drafter: Drafter) -> bool:
+    """Whether the drafter reads the prompt from the ids alone: a draft model (its state kind
+    "model", alone or in a hybrid), which resumes from its own state (DraftState.catches_up),
+    so that it can take the prompt in chunks; EAGLE and MTP read the target's hidden states."""
+    return getattr(drafter, "state_kind", None) == "model"
 
 
 def _shared_round(
