@@ -80,6 +80,25 @@ def run_batch(driver, requests, join_after=None):
     return [out[i] for i in range(len(requests))], sizes
 
 
+def first_rounds_and_answers(driver, requests, chunk):
+    """Run `requests` [(pair, prompt, options)] as one batch, prompts read `chunk` ids at a
+    time: the round that gave each row its first Round, and each answer's ids."""
+    streams = dict(enumerate(open_row(p, prompt, chunk=chunk, **o) for p, prompt, o in requests))
+    first, answers, n = [0] * len(requests), [[] for _ in requests], 0
+    while streams:
+        n += 1
+        keys = list(streams)
+        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
+            assert not isinstance(got, Exception)
+            if got is not None:
+                first[i] = first[i] or n
+                event = next(streams[i][0])
+                answers[i] += event.emitted
+                if event.finish_reason:
+                    del streams[i]
+    return first, answers
+
+
 def alone(pair, prompt, **options):
     return macspec.generate(pair, prompt, **options).tokens
 
@@ -166,22 +185,9 @@ def test_a_long_prompt_is_read_in_chunks_where_the_drafter_reads_hidden_states(e
     long_ids = [(7 * i + 2) % 60 + 3 for i in range(2 * chunk + 5)]
     requests = [(eagle["model"], PROMPTS[2], opts), (eagle["model"], long_ids, opts)]
     driver = BatchDriver(eagle["model"].target, eagle["model"].vocab_size)
-    streams = dict(enumerate(open_row(p, prompt, chunk=chunk, **o) for p, prompt, o in requests))
-    first, got_ids = [0, 0], {0: [], 1: []}
-    for n in range(1, 40):
-        keys = list(streams)
-        if not keys:
-            break
-        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
-            assert not isinstance(got, Exception)
-            if got is not None:
-                first[i] = first[i] or n
-                event = next(streams[i][0])
-                got_ids[i] += list(event.emitted)
-                if event.finish_reason:
-                    del streams[i]
+    first, answers = first_rounds_and_answers(driver, requests, chunk)
     assert first == [1, 3]  # the long row reads its prompt in 3 chunks first
-    assert [got_ids[0], got_ids[1]] == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert answers == [alone(p, prompt, **o) for p, prompt, o in requests]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -194,22 +200,9 @@ def test_a_draft_model_reads_a_long_prompt_in_chunks_too(kinds, temperature):
     long_ids = [(3 * i + 4 + shift) % 60 + 3 for i in range(2 * chunk + 5)]
     requests = [(kinds["model"], PROMPTS[0], opts), (kinds["model"], long_ids, opts)]
     driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
-    streams = dict(enumerate(open_row(p, prompt, chunk=chunk, **o) for p, prompt, o in requests))
-    first, got_ids = [0, 0], {0: [], 1: []}
-    for n in range(1, 60):
-        keys = list(streams)
-        if not keys:
-            break
-        for i, (_, got) in zip(keys, driver.round([streams[i][1] for i in keys]), strict=True):
-            assert not isinstance(got, Exception)
-            if got is not None:
-                first[i] = first[i] or n
-                event = next(streams[i][0])
-                got_ids[i] += list(event.emitted)
-                if event.finish_reason:
-                    del streams[i]
+    first, answers = first_rounds_and_answers(driver, requests, chunk)
     assert first == [1, 5]  # 3 chunks of the target's, then 3 of the draft's
-    assert [got_ids[0], got_ids[1]] == [alone(p, prompt, **o) for p, prompt, o in requests]
+    assert answers == [alone(p, prompt, **o) for p, prompt, o in requests]
 
 
 def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):
