@@ -181,17 +181,6 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-template <ScaleType T, int MR = MAX_ROWS>
-void rows_dispatch(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  if constexpr (MR > 1) {
-    if (p.M < MR) {
-      rows_dispatch<T, MR - 1>(p, xq, n0, n1);
-      return;
-    }
-  }
-  rows_chunk<T, MR>(p, xq, n0, n1);
-}
-
 }  // namespace
 
 bool q4_rows_run(const QProduct& p) {
@@ -217,7 +206,7 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq) {
 
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  rows_dispatch<T>(p, xq, n0, n1);
+  with_rows<MAX_ROWS>(p.M, [&]<int MR>() { rows_chunk<T, MR>(p, xq, n0, n1); });
 }
 
 #else  // no AVX-512 VNNI: q8_chunk takes every product

@@ -136,17 +136,6 @@ void wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-template <ScaleType T, int MR = MAX_ROWS>
-void wide_dispatch(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  if constexpr (MR > 1) {
-    if (p.M < MR) {
-      wide_dispatch<T, MR - 1>(p, xq, n0, n1);
-      return;
-    }
-  }
-  wide_chunk<T, MR>(p, xq, n0, n1);
-}
-
 }  // namespace
 
 bool q4_wide_run(const QProduct& p) {
@@ -155,7 +144,7 @@ bool q4_wide_run(const QProduct& p) {
 
 template <ScaleType T>
 void q4_wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  wide_dispatch<T>(p, xq, n0, n1);
+  with_rows<MAX_ROWS>(p.M, [&]<int MR>() { wide_chunk<T, MR>(p, xq, n0, n1); });
 }
 
 #else  // no AVX-512 VNNI: q8_chunk takes every product

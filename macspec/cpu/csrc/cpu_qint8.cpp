@@ -209,17 +209,6 @@ void rows_pass(const Slab& s, const QuantizedX& xq, int m0, float* facc) {
   }
 }
 
-template <int BITS, int MB = MB_MAX>
-void rows_dispatch(int rows, const Slab& s, const QuantizedX& xq, int m0, float* facc) {
-  if constexpr (MB > 1) {
-    if (rows < MB) {
-      rows_dispatch<BITS, MB - 1>(rows, s, xq, m0, facc);
-      return;
-    }
-  }
-  rows_pass<BITS, MB>(s, xq, m0, facc);
-}
-
 // Rows [n0, n1) of y for every row of x.
 template <int BITS, ScaleType T>
 void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
@@ -245,7 +234,8 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
         const Slab s{buf, scale + g0 % 16 * 16, bias + g0 % 16 * 16, g0, gc, G, groups};
         for (int m = 0; m < mc; m += MB_MAX) {
           const int mr = std::min(MB_MAX, mc - m);
-          rows_dispatch<BITS>(mr, s, xq, m0 + m, facc + m * 16);
+          float* fm = facc + m * 16;
+          with_rows<MB_MAX>(mr, [&]<int MB>() { rows_pass<BITS, MB>(s, xq, m0 + m, fm); });
         }
       }
       for (int m = 0; m < mc; m++) {

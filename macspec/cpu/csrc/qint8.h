@@ -50,6 +50,19 @@ inline void block_rows(const QProduct& p, int nb, int rows, size_t row_bytes, co
   }
 }
 
+// fn.template operator()<R>() for the compile-time R == rows (1 <= rows <= MAX): the row kernels
+// take their rows of x as a template argument.
+template <int MAX, typename F>
+inline void with_rows(int rows, F&& fn) {
+  if constexpr (MAX > 1) {
+    if (rows < MAX) {
+      with_rows<MAX - 1>(rows, fn);
+      return;
+    }
+  }
+  fn.template operator()<MAX>();
+}
+
 // Whether the row kernels run p (cpu_q4rows.cpp; never on a build without them), and x's dwords
 // in their order, into xq.rows.
 bool q4_rows_run(const QProduct& p);
