@@ -21,8 +21,6 @@ namespace macspec::q8 {
 
 namespace {
 
-constexpr int MAX_ROWS = 2;  // past this cpu_q4wide.cpp's kernel, whose rows cost less
-
 // The lines of 16 weight rows that the next two groups' loads read after `at`, and the same
 // place of the next 16-row block (into L2: it is used a block later).
 inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
@@ -183,8 +181,30 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
 
 }  // namespace
 
+template <ScaleType T>
+void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  with_rows<Q4_ROWS_MAX>(p.M, [&]<int MR>() { rows_chunk<T, MR>(p, xq, n0, n1); });
+}
+
+template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
+
+#elif defined(__AVX512F__) && defined(__AVX512BW__)  // AVX-512 without VNNI: q8_chunk for all
+
+template <ScaleType T>
+void q4_rows_chunk(const QProduct&, const QuantizedX&, int, int) {
+  throw std::logic_error("[macspec products] no row kernels on this build");
+}
+
+template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
+
+#endif  // (AVX2 without AVX-512: cpu_q4rows_avx2.cpp)
+
 bool q4_rows_run(const QProduct& p) {
-  return p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M <= MAX_ROWS;
+  return Q4_ROWS && p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M <= Q4_ROWS_MAX;
 }
 
 // Per pair of groups and row of x, 32 dwords: the 16 of the columns the weights' low nibbles
@@ -203,30 +223,6 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq) {
     }
   }
 }
-
-template <ScaleType T>
-void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  with_rows<MAX_ROWS>(p.M, [&]<int MR>() { rows_chunk<T, MR>(p, xq, n0, n1); });
-}
-
-#else  // no AVX-512 VNNI: q8_chunk takes every product
-
-bool q4_rows_run(const QProduct&) {
-  return false;
-}
-
-void q4_rows_prepare(const QProduct&, QuantizedX&) {}
-
-template <ScaleType T>
-void q4_rows_chunk(const QProduct&, const QuantizedX&, int, int) {
-  throw std::logic_error("[macspec products] no row kernels on this build");
-}
-
-#endif
-
-template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
-template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
-template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
 
 }  // namespace macspec::q8
 

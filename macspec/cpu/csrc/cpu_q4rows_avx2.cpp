@@ -1,0 +1,137 @@
+// cpu_q4rows.cpp's row kernel for CPUs with AVX2 but without AVX-512 (most AMD EPYC before Zen 4,
+// Intel client cores): int8 products of 1 or 2 rows of x by 4-bit weights in groups of 64.
+// q8_chunk (cpu_qint8.cpp) first transposes 16 weight rows into a buffer of unpacked bytes and
+// reads them back; at one row of x those shuffles, stores and reloads took most of a step (the
+// weights cost less to read than to rearrange). Here each weight row's 32 bytes of a group are
+// used as they lie: nibbles against x's columns (vpmaddubsw, exact: 2 * 15 * 127 fits a word),
+// the 8 lanes of each row summed per group (sum_lanes8), rows 0-7 and 8-15 in one vector each.
+// The integer sums are q8_chunk's exact numbers and the float steps the same (qdot.h's
+// accumulate, lane by lane, group by group in order): the same bits whichever kernel runs.
+
+#include "common.h"
+#include "qint8.h"
+
+#if defined(MACSPEC_INT8) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+
+namespace macspec::q8 {
+
+namespace {
+
+// 8 weight rows' partial sums over one group (A[r]: 8 dwords, each of 8 products, so
+// |a| <= 8 * 15 * 127 = 15240) -> one vector of their totals, row r in lane r. Two levels pack
+// two vectors' dwords into words and add neighbouring words (vpmaddwd with ones): exact, as the
+// sums stay within a word before each pack (15240, then 30480).
+inline __m256i sum_lanes8(const __m256i* A) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i B[4];
+  for (int k = 0; k < 4; k++) {  // per 128-bit half h: row 2k's lanes (0+1, 2+3), row 2k+1's
+    B[k] = _mm256_madd_epi16(_mm256_packs_epi32(A[2 * k], A[2 * k + 1]), ones);
+  }
+  // per half h: rows 4j..4j+3, each over its lanes 4h..4h+3
+  const __m256i C0 = _mm256_madd_epi16(_mm256_packs_epi32(B[0], B[1]), ones);
+  const __m256i C1 = _mm256_madd_epi16(_mm256_packs_epi32(B[2], B[3]), ones);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(C0, C1, 0x20),
+                          _mm256_permute2x128_si256(C0, C1, 0x31));
+}
+
+// Rows rp[0..7]'s sums over the 32 bytes at `at` (one group), for MR rows of x: xl[m] the
+// columns of the low nibbles, xh[m] of the high ones.
+template <int MR>
+inline void group8(const uint8_t* const* rp, size_t at, const __m256i* xl, const __m256i* xh,
+                   __m256i* out) {
+  const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256i A[MR][8];
+  for (int r = 0; r < 8; r++) {
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(rp[r] + at));
+    const __m256i lo = _mm256_and_si256(w, m15);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m15);
+    for (int m = 0; m < MR; m++) {
+      const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[m]),
+                                         _mm256_maddubs_epi16(hi, xh[m]));
+      A[m][r] = _mm256_madd_epi16(s, ones);
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    out[m] = sum_lanes8(A[m]);
+  }
+}
+
+// f[m] += group g's sums of the 16-row block, for MR rows of x. `x`: the pair of groups' dwords
+// (q4_rows_prepare's order: per row of x, 16 of the low nibbles' columns, then 16 of the high
+// ones, group g's 8 first when g is even); `scale`, `bias`: the group's 16 lanes.
+template <int MR>
+inline void group_pass(const uint8_t* const* rp, int g, const int32_t* x, const float* scale,
+                       const float* bias, const QuantizedX& xq, vf* f) {
+  __m256i xl[MR], xh[MR];
+  const int half = 8 * (g % 2);
+  for (int m = 0; m < MR; m++) {
+    xl[m] = _mm256_loadu_si256((const __m256i*)(x + 32 * m + half));
+    xh[m] = _mm256_loadu_si256((const __m256i*)(x + 32 * m + 16 + half));
+  }
+  const size_t at = (size_t)g * 32;
+  __m256i lo[MR], hi[MR];
+  group8<MR>(rp, at, xl, xh, lo);
+  group8<MR>(rp + 8, at, xl, xh, hi);
+  const vf sc = loadf(scale), bi = loadf(bias);
+  for (int m = 0; m < MR; m++) {
+    const size_t i = (size_t)g * xq.M + m;
+    f[m] = accumulate(f[m], vi{lo[m], hi[m]}, sc, xq.d[i], bi, xq.ds[i]);
+  }
+}
+
+// The lines of 16 weight rows the next pair of groups reads (two ahead), and the same place of
+// the next 16-row block, into L2 (used a block later), as cpu_q4rows.cpp does.
+inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
+  for (int r = 0; r < 16; r++) {
+    __builtin_prefetch(rp[r] + at + 256);
+    _mm_prefetch(reinterpret_cast<const char*>(rp[r] + at + block), _MM_HINT_T1);
+  }
+}
+
+template <ScaleType T, int MR>
+void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  const int groups = p.K / 64;
+  const size_t row_bytes = (size_t)p.K / 2;
+  alignas(64) float scale[16 * 16], bias[16 * 16];
+  for (int nb = n0; nb < n1; nb += 16) {
+    const int rows = std::min(16, n1 - nb);
+    const uint8_t* rp[16];
+    size_t srow[16];
+    block_rows(p, nb, rows, row_bytes, rp, srow);
+    vf f[MR];
+    for (int m = 0; m < MR; m++) {
+      f[m] = vf{_mm256_setzero_ps(), _mm256_setzero_ps()};
+    }
+    for (int g = 0; g < groups; g++) {
+      if (g % 16 == 0) {
+        scale_tile<T>(p.scales, srow, groups, g, scale);
+        scale_tile<T>(p.biases, srow, groups, g, bias);
+      }
+      if (g % 2 == 0) {
+        prefetch(rp, (size_t)g * 32, 16 * row_bytes);
+      }
+      const int32_t* x = xq.rows.data() + (size_t)(g / 2) * 32 * MR;
+      group_pass<MR>(rp, g, x, scale + g % 16 * 16, bias + g % 16 * 16, xq, f);
+    }
+    for (int m = 0; m < MR; m++) {
+      alignas(64) float out[16];
+      storef(out, f[m]);
+      std::copy(out, out + rows, p.y + (size_t)m * p.N + nb);
+    }
+  }
+}
+
+}  // namespace
+
+template <ScaleType T>
+void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  with_rows<Q4_ROWS_MAX>(p.M, [&]<int MR>() { rows_chunk<T, MR>(p, xq, n0, n1); });
+}
+
+template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
+template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
+
+}  // namespace macspec::q8
+
+#endif
