@@ -88,6 +88,55 @@ inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
   }
 }
 
+// Two words of each dword of d as floats (the low ones, then the high ones), converted as
+// load_scales converts 16-bit scales.
+template <ScaleType T>
+inline void halves(__m256i d, __m256& first, __m256& second) {
+  if constexpr (T == ScaleType::bf16) {  // the top half of a float32
+    first = _mm256_castsi256_ps(_mm256_slli_epi32(d, 16));
+    second = _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(-65536)));
+  } else {  // 8 words packed in order (packus is exact: each is at most 0xffff)
+    const auto words = [](__m256i v) {
+      return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08));
+    };
+    first = _mm256_cvtph_ps(words(_mm256_and_si256(d, _mm256_set1_epi32(0xffff))));
+    second = _mm256_cvtph_ps(words(_mm256_srli_epi32(d, 16)));
+  }
+}
+
+// scale_tile's two tables of 16-bit scales with one 16 x 16 transpose for both (as
+// cpu_q4rows.cpp's): row r's 16 scales and 16 biases as 16 dwords, transposed, each dword's
+// halves then as floats (groups past the last are 0). At one row of x, scale_tile's two
+// transposes took an eighth of a step.
+template <ScaleType T>
+void scale_bias_tile(const QProduct& p, const size_t* srow, int groups, int g0, float* scale,
+                     float* bias) {
+  const auto* sc = static_cast<const uint16_t*>(p.scales);
+  const auto* bi = static_cast<const uint16_t*>(p.biases);
+  const int n = std::min(16, groups - g0);
+  vf rows[16];
+  for (int r = 0; r < 16; r++) {
+    const uint16_t *s = sc + srow[r] * groups + g0, *b = bi + srow[r] * groups + g0;
+    alignas(32) uint16_t part[32] = {};
+    if (n < 16) {
+      std::copy(s, s + n, part);
+      std::copy(b, b + n, part + 16);
+      s = part, b = part + 16;
+    }
+    rows[r] = {_mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)s)),
+               _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i*)b))};
+  }
+  transpose(rows);  // rows[c] row r: row r's groups 2c and 2c + 1 (c < 8), or their biases
+  for (int c = 0; c < 16; c++) {
+    float* out = (c < 8 ? scale : bias) + 16 * 2 * (c % 8);
+    __m256 lo0, lo1, hi0, hi1;
+    halves<T>(_mm256_castps_si256(rows[c].lo), lo0, lo1);
+    halves<T>(_mm256_castps_si256(rows[c].hi), hi0, hi1);
+    storef(out, vf{lo0, hi0});
+    storef(out + 16, vf{lo1, hi1});
+  }
+}
+
 template <ScaleType T, int MR>
 void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   const int groups = p.K / 64;
@@ -104,8 +153,12 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
     }
     for (int g = 0; g < groups; g++) {
       if (g % 16 == 0) {
-        scale_tile<T>(p.scales, srow, groups, g, scale);
-        scale_tile<T>(p.biases, srow, groups, g, bias);
+        if constexpr (T == ScaleType::f32) {
+          scale_tile<T>(p.scales, srow, groups, g, scale);
+          scale_tile<T>(p.biases, srow, groups, g, bias);
+        } else {
+          scale_bias_tile<T>(p, srow, groups, g, scale, bias);
+        }
       }
       if (g % 2 == 0) {
         prefetch(rp, (size_t)g * 32, 16 * row_bytes);

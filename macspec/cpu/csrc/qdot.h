@@ -319,11 +319,14 @@ static inline void transpose(const uint8_t* const* rp, size_t at, vi* out) {
 template <typename T>
 static inline vf load_scales(const T* p, int n) {
   alignas(32) T v[16] = {};
-  std::memcpy(v, p, sizeof(T) * n);
+  if (n < 16) {  // a tile's last groups; else loaded in place (a memcpy of n is a library call)
+    std::memcpy(v, p, sizeof(T) * n);
+    p = v;
+  }
   if constexpr (sizeof(T) == 4) {
-    return {_mm256_load_ps((const float*)v), _mm256_load_ps((const float*)v + 8)};
+    return {_mm256_loadu_ps((const float*)p), _mm256_loadu_ps((const float*)p + 8)};
   } else {
-    const __m256i h = _mm256_load_si256((const __m256i*)v);
+    const __m256i h = _mm256_loadu_si256((const __m256i*)p);
     const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
     if constexpr (T::bf16) {
       return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
