@@ -96,14 +96,16 @@ void quantize_x(const QProduct& p, QuantizedX& xq) {
 // Columns [at, at + bytes) of 16 rows, as vectors of 4 weights a row (4 bits: 8 vectors per
 // 16 bytes, low nibbles then high ones; 8 bits: 4 vectors, as q - 128 where there is no VNNI).
 template <int BITS>
-void unpack(const Block& k, size_t at, size_t bytes, uint32_t* buf) {
+void unpack(Block k, size_t at, size_t bytes, uint32_t* buf) {
   for (size_t b = 0; b < bytes; b += 64) {  // the slab after next, 16 streams for the prefetcher
+    k.keep_apart();
     for (int r = 0; r < 16; r++) {
       __builtin_prefetch(k.row(r) + at + b + 2 * SLAB * BITS / 8);
     }
   }
   for (size_t b = 0; b < bytes; b += 16) {
     vi t[4];
+    k.keep_apart();
     transpose(k, at + b, t);
     for (int c = 0; c < 4; c++) {
       if constexpr (BITS == 4) {

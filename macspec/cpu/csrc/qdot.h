@@ -25,6 +25,11 @@ struct Block {
   const uint8_t* row(int r) const {
     return b[r / 4] + s[r % 4];
   }
+  // In a short loop GCC hoists the 16 sums b[k] + s[j] out of it, more than the registers hold
+  // (the same extractions again): this makes b opaque, so that each load adds them itself.
+  void keep_apart() {
+    asm("" : "+r"(b[0]), "+r"(b[1]), "+r"(b[2]), "+r"(b[3]));
+  }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
