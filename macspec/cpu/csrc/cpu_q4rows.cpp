@@ -1,14 +1,16 @@
 // Int8 products of 1 or 2 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
 // q8_chunk's 16 x 16 byte transposes (cpu_qint8.cpp), whose shuffles cost more than reading the
 // weights at these row counts (3-8 rows: cpu_q4wide.cpp). The kernel (row_pass) reads 64 bytes
-// (two groups) of 16 weight rows at a time, a vector a weight row, as it lies; its 16 lanes
-// summed per group after the dot products (sum_lanes), once per row of x. It prefetches the
-// next 16-row block into L2 as well: the hardware prefetcher does not follow 16 interleaved
-// streams far enough ahead to keep the memory busy.
+// (two groups) of 16 weight rows at a time, a vector a weight row, as it lies, the rows addressed
+// from a few registers (qdot.h's Block); its 16 lanes summed per group after the dot products
+// (pair_sums, sum_lanes), once per row of x. It prefetches the next 16-row block into L2 as well:
+// the hardware prefetcher does not follow 16 interleaved streams far enough ahead to keep the
+// memory busy.
 // The integer sums are q8_chunk's exact numbers and the float steps the same, lane by lane,
 // group by group in order: the same bits whichever kernel runs.
 
 #include <stdexcept>
+#include <vector>
 
 #include "common.h"
 #include "qint8.h"
@@ -21,28 +23,27 @@ namespace macspec::q8 {
 
 namespace {
 
-// The lines of 16 weight rows that the next two groups' loads read after `at`, and the same
-// place of the next 16-row block (into L2: it is used a block later).
-inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
-  for (int r = 0; r < 16; r++) {
-    __builtin_prefetch(rp[r] + at + 512);
-    _mm_prefetch(reinterpret_cast<const char*>(rp[r] + at + block), _MM_HINT_T1);
-  }
+// The line of a weight row that the loads read two groups after `at`'s (`row` is at `at`), and
+// the same place of the next 16-row block (into L2: it is used a block later).
+inline void prefetch(const uint8_t* row, size_t block) {
+  __builtin_prefetch(row + 512);
+  _mm_prefetch(reinterpret_cast<const char*>(row + block), _MM_HINT_T1);
 }
 
-// A[r] lanes 0-7: weight row r's partial sums over one group, lanes 8-15 over the next one; out
-// the two groups' sums, row r in lane r. The first two levels pack two vectors' dwords into
-// words and add neighbouring words (vpmaddwd): two instructions for two vectors where unpacking
+// The first level of sum_lanes for weight rows 2k, 2k + 1 (A0, A1): their dwords packed into
+// words, neighbouring words added (vpmaddwd), two instructions for two vectors where unpacking
 // took three. Exact: a lane of A is 8 products of at most 15 * 127 (|sum| <= 15240) and two of
 // them fit a word as well (30480), so no pack saturates; integer adds, in any order.
-inline void sum_lanes(const __m512i* A, __m512i& first, __m512i& second) {
-  const __m512i ones = _mm512_set1_epi16(1);
-  __m512i B[8], C[4];
-  for (int k = 0; k < 8; k++) {  // quarter q: row 2k's lanes 0+1, 2+3, then row 2k + 1's
-    B[k] = _mm512_madd_epi16(_mm512_packs_epi32(A[2 * k], A[2 * k + 1]), ones);
-  }
+inline __m512i pair_sums(__m512i A0, __m512i A1) {
+  return _mm512_madd_epi16(_mm512_packs_epi32(A0, A1), _mm512_set1_epi16(1));
+}
+
+// B[k] = pair_sums of weight rows 2k, 2k + 1, whose lanes 0-7 hold partial sums over one group
+// and 8-15 over the next one; out the two groups' sums, row r in lane r.
+inline void sum_lanes(const __m512i* B, __m512i& first, __m512i& second) {
+  __m512i C[4];
   for (int j = 0; j < 4; j++) {  // quarter q: rows 4j..4j+3 over the quarter's lanes
-    C[j] = _mm512_madd_epi16(_mm512_packs_epi32(B[2 * j], B[2 * j + 1]), ones);
+    C[j] = pair_sums(B[2 * j], B[2 * j + 1]);
   }
   const __m512i E01 = _mm512_add_epi32(_mm512_shuffle_i32x4(C[0], C[1], 0x88),
                                        _mm512_shuffle_i32x4(C[0], C[1], 0xdd));
@@ -78,33 +79,46 @@ struct Pair {
   int g;
 };
 
-// f += the two groups' sums s0 (group g) then s1, for row m of x.
+// f += the two groups' sums s0 (group g) then s1, for row m of MR rows of x.
+template <int MR>
 inline vf add_pair(vf f, __m512i s0, __m512i s1, const Pair& p, const QuantizedX& xq, int m) {
-  const size_t at = (size_t)p.g * xq.M + m;
+  const size_t at = (size_t)p.g * MR + m;
   f = accumulate(f, vi{s0}, loadf(p.scale), xq.d[at], loadf(p.bias), xq.ds[at]);
-  return accumulate(f, vi{s1}, loadf(p.scale + 16), xq.d[at + xq.M], loadf(p.bias + 16),
-                    xq.ds[at + xq.M]);
+  return accumulate(f, vi{s1}, loadf(p.scale + 16), xq.d[at + MR], loadf(p.bias + 16),
+                    xq.ds[at + MR]);
 }
 
+// The two groups at `at` of the block's 16 weight rows, for MR rows of x: two weight rows at a
+// time, each loaded, split into nibbles and multiplied by every row of x, their sums packed at
+// once (pair_sums), so that few vectors are live (holding all 16 rows' nibbles spilled them).
 template <int MR>
-inline void row_pass(const uint8_t* const* rp, size_t at, const Pair& p, const QuantizedX& xq,
-                     vf* f) {
-  __m512i lo[16], hi[16];
-  for (int r = 0; r < 16; r++) {
-    const __m512i w = _mm512_loadu_si512(rp[r] + at);
-    lo[r] = lo_nibbles(w);
-    hi[r] = high_nibbles(w);
-  }
+inline void row_pass(const Block& k, size_t at, size_t block, const Pair& p,
+                     const QuantizedX& xq, vf* f) {
+  __m512i xl[MR], xh[MR], B[MR][8];
   for (int m = 0; m < MR; m++) {  // x's low nibbles' columns, then the high ones'
-    const __m512i xl = _mm512_loadu_si512(p.x + 32 * m);
-    const __m512i xh = _mm512_loadu_si512(p.x + 32 * m + 16);
-    __m512i A[16];
-    for (int r = 0; r < 16; r++) {
-      A[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[r], xl), hi[r], xh);
+    xl[m] = _mm512_loadu_si512(p.x + 32 * m);
+    xh[m] = _mm512_loadu_si512(p.x + 32 * m + 16);
+  }
+  for (int i = 0; i < 8; i++) {
+    __m512i A[MR][2];
+    for (int h = 0; h < 2; h++) {
+      const uint8_t* row = k.row(2 * i + h) + at;
+      prefetch(row, block);
+      const __m512i w = _mm512_loadu_si512(row);
+      const __m512i lo = lo_nibbles(w), hi = high_nibbles(w);
+      for (int m = 0; m < MR; m++) {
+        const __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[m]);
+        A[m][h] = _mm512_dpbusd_epi32(a, hi, xh[m]);
+      }
     }
+    for (int m = 0; m < MR; m++) {
+      B[m][i] = pair_sums(A[m][0], A[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; m++) {
     __m512i s0, s1;
-    sum_lanes(A, s0, s1);
-    f[m] = add_pair(f[m], s0, s1, p, xq, m);
+    sum_lanes(B[m], s0, s1);
+    f[m] = add_pair<MR>(f[m], s0, s1, p, xq, m);
   }
 }
 
@@ -147,11 +161,12 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   const int groups = p.K / 64;
   const size_t row_bytes = (size_t)p.K / 2;
   alignas(64) float scale[16 * 16], bias[16 * 16];
+  std::vector<uint8_t> pad;
   for (int nb = n0; nb < n1; nb += 16) {
     const int rows = std::min(16, n1 - nb);
-    const uint8_t* rp[16];
-    size_t srow[16];
-    block_rows(p, nb, rows, row_bytes, rp, srow);
+    size_t srow[16];  // the scales' rows
+    const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
+    const size_t next = rows == 16 ? 16 * row_bytes : 0;  // no block after a short one
     vf f[MR];
     for (int m = 0; m < MR; m++) {
       f[m] = vf{_mm512_setzero_ps()};
@@ -165,11 +180,9 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
           scale_bias_tile<T>(p, srow, groups, g, scale, bias);
         }
       }
-      const size_t at = (size_t)g * 32;
-      prefetch(rp, at, 16 * row_bytes);
       const Pair pair{xq.rows.data() + (size_t)g * 16 * MR, scale + g % 16 * 16,
                       bias + g % 16 * 16, g};
-      row_pass<MR>(rp, at, pair, xq, f);
+      row_pass<MR>(k, (size_t)g * 32, next, pair, xq, f);
     }
     for (int m = 0; m < MR; m++) {
       alignas(64) float out[16];

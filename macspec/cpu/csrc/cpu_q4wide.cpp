@@ -23,33 +23,6 @@ namespace {
 // Fewer rows: cpu_q4rows.cpp's kernel; more: q8_chunk, whose buffer serves up to 16 rows.
 constexpr int MIN_ROWS = 3, MAX_ROWS = 8;
 
-// Where the rows of a 16-row block lie: row 4k + j at b[k] + s[j], from 8 registers. (GCC
-// keeps an array of 16 row pointers in vector registers and takes each one out for its load: as
-// many vector instructions as the dot products.)
-struct Block {
-  const uint8_t* b[4];
-  size_t s[4];
-  const uint8_t* row(int r) const {
-    return b[r / 4] + s[r % 4];
-  }
-};
-
-// 16 bytes at `at` of the block's rows as 4 vectors: out[c] lane r = bytes 4c..4c+3 of row r
-// (qdot.h's transpose).
-inline void transpose(const Block& k, size_t at, vi* out) {
-  __m512i z[4];
-  for (int j = 0; j < 4; j++) {  // z[j] = rows j, 4 + j, 8 + j, 12 + j in its four quarters
-    const auto* q = reinterpret_cast<const __m128i*>(k.b[0] + k.s[j] + at);
-    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128(q));
-    for (int i = 1; i < 4; i++) {
-      q = reinterpret_cast<const __m128i*>(k.b[i] + k.s[j] + at);
-      t = _mm512_inserti32x4(t, _mm_loadu_si128(q), i);
-    }
-    z[j] = t;
-  }
-  interleave_quarters(z, out);
-}
-
 // acc[m][0] += 16 bytes at `at` of the block's rows (low nibbles) times x's dwords of them,
 // acc[m][1] the high nibbles' (x: dword v of row m at x[v * MR + m]; 6-16 sums under way).
 template <int MR>
@@ -73,26 +46,6 @@ inline void prefetch(const Block& k, size_t at, size_t block) {
   }
 }
 
-// A block's rows: in place, or (a last block of fewer than 16 rows) copied into `pad`, the
-// last row repeated, so that every block's rows are evenly spaced.
-inline Block block_at(const QProduct& p, int nb, int rows, size_t row_bytes,
-                      std::vector<uint8_t>& pad) {
-  const uint8_t* first = p.W + (size_t)nb * row_bytes;
-  if (rows < 16) {
-    pad.resize(16 * row_bytes);
-    for (int r = 0; r < 16; r++) {
-      std::copy_n(first + std::min(r, rows - 1) * row_bytes, row_bytes, pad.data() + r * row_bytes);
-    }
-    first = pad.data();
-  }
-  Block k;
-  for (int j = 0; j < 4; j++) {
-    k.b[j] = first + 4 * j * row_bytes;
-    k.s[j] = j * row_bytes;
-  }
-  return k;
-}
-
 // Rows [n0, n1) of y for the MR rows of x.
 template <ScaleType T, int MR>
 void wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
@@ -102,10 +55,8 @@ void wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   std::vector<uint8_t> pad;
   for (int nb = n0; nb < n1; nb += 16) {
     const int rows = std::min(16, n1 - nb);
-    const uint8_t* rp[16];
-    size_t srow[16];
-    block_rows(p, nb, rows, row_bytes, rp, srow);  // srow: the scales' rows
-    const Block k = block_at(p, nb, rows, row_bytes, pad);
+    size_t srow[16];  // the scales' rows
+    const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
     std::fill(facc, facc + MR * 16, 0.0f);
     for (int g = 0; g < groups; g++) {
       if (g % 16 == 0) {

@@ -96,15 +96,17 @@ void quantize_x(const QProduct& p, QuantizedX& xq) {
 // Columns [at, at + bytes) of 16 rows, as vectors of 4 weights a row (4 bits: 8 vectors per
 // 16 bytes, low nibbles then high ones; 8 bits: 4 vectors, as q - 128 where there is no VNNI).
 template <int BITS>
-void unpack(const uint8_t* const* rp, size_t at, size_t bytes, uint32_t* buf) {
+void unpack(Block k, size_t at, size_t bytes, uint32_t* buf) {
   for (size_t b = 0; b < bytes; b += 64) {  // the slab after next, 16 streams for the prefetcher
+    k.keep_apart();
     for (int r = 0; r < 16; r++) {
-      __builtin_prefetch(rp[r] + at + b + 2 * SLAB * BITS / 8);
+      __builtin_prefetch(k.row(r) + at + b + 2 * SLAB * BITS / 8);
     }
   }
   for (size_t b = 0; b < bytes; b += 16) {
     vi t[4];
-    transpose(rp, at + b, t);
+    k.keep_apart();
+    transpose(k, at + b, t);
     for (int c = 0; c < 4; c++) {
       if constexpr (BITS == 4) {
         store(buf, nibbles_lo(t[c]));
@@ -216,17 +218,17 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   const size_t row_bytes = (size_t)p.K * BITS / 8;
   alignas(64) uint32_t buf[SLAB / 4 * 16];
   alignas(64) float scale[16 * 16], bias[16 * 16], facc[MSUPER * 16];
+  std::vector<uint8_t> pad;
   for (int nb = n0; nb < n1; nb += 16) {
     const int rows = std::min(16, n1 - nb);
-    const uint8_t* rp[16];
-    size_t srow[16];
-    block_rows(p, nb, rows, row_bytes, rp, srow);
+    size_t srow[16];  // the scales' rows
+    const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
     for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
       const int mc = std::min(MSUPER, p.M - m0);
       std::fill(facc, facc + mc * 16, 0.0f);
       for (int g0 = 0; g0 < groups; g0 += slab_groups) {
         const int gc = std::min(slab_groups, groups - g0);
-        unpack<BITS>(rp, (size_t)g0 * G * BITS / 8, (size_t)gc * G * BITS / 8, buf);
+        unpack<BITS>(k, (size_t)g0 * G * BITS / 8, (size_t)gc * G * BITS / 8, buf);
         if (g0 % 16 == 0) {
           scale_tile<T>(p.scales, srow, groups, g0, scale);
           scale_tile<T>(p.biases, srow, groups, g0, bias);

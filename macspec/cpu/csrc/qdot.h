@@ -15,6 +15,23 @@
 
 namespace macspec::q8 {
 
+// Where the rows of a 16-row weight block lie: row 4k + j at b[k] + s[j], from 8 registers, and
+// the loads' offsets from there fixed at compile time. (GCC kept an array of 16 row pointers in
+// vector registers and took each one out for its load: about as many vector instructions as the
+// dot products.)
+struct Block {
+  const uint8_t* b[4];
+  size_t s[4];
+  const uint8_t* row(int r) const {
+    return b[r / 4] + s[r % 4];
+  }
+  // In a short loop GCC hoists the 16 sums b[k] + s[j] out of it, more than the registers hold
+  // (the same extractions again): this makes b opaque, so that each load adds them itself.
+  void keep_apart() {
+    asm("" : "+r"(b[0]), "+r"(b[1]), "+r"(b[2]), "+r"(b[3]));
+  }
+};
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 // vpdpbusd: each lane += the dot product of 4 unsigned weight bytes and 4 signed x bytes.
@@ -128,14 +145,15 @@ static inline void interleave_quarters(const __m512i* z, vi* out) {
   out[3] = {_mm512_unpackhi_epi64(t1, t3)};
 }
 
-// 16 bytes at `at` of rows rp[0..15] as 4 vectors: out[c] lane r = bytes 4c..4c+3 of row r.
-static inline void transpose(const uint8_t* const* rp, size_t at, vi* out) {
+// 16 bytes at `at` of the block's rows as 4 vectors: out[c] lane r = bytes 4c..4c+3 of row r.
+static inline void transpose(const Block& k, size_t at, vi* out) {
   __m512i z[4];
   for (int j = 0; j < 4; j++) {  // z[j] = rows j, 4 + j, 8 + j, 12 + j in its four quarters
-    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(rp[j] + at)));
-    t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(rp[4 + j] + at)), 1);
-    t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(rp[8 + j] + at)), 2);
-    z[j] = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(rp[12 + j] + at)), 3);
+    __m512i t = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(k.row(j) + at)));
+    for (int i = 1; i < 4; i++) {
+      t = _mm512_inserti32x4(t, _mm_loadu_si128((const __m128i*)(k.row(4 * i + j) + at)), i);
+    }
+    z[j] = t;
   }
   interleave_quarters(z, out);
 }
@@ -292,13 +310,13 @@ static inline vf accumulate(vf f, vi acc, vf scale, float d, vf bias, float xs) 
   return {_mm256_fmadd_ps(bias.lo, xv, lo), _mm256_fmadd_ps(bias.hi, xv, hi)};
 }
 
-// Rows rp[0..7] as the AVX-512 transpose lays out 16 rows.
-static inline void transpose8(const uint8_t* const* rp, size_t at, __m256i* out) {
+// Rows r0..r0+7 of the block as the AVX-512 transpose lays out 16 rows.
+static inline void transpose8(const Block& k, int r0, size_t at, __m256i* out) {
   __m256i z[4];
   for (int j = 0; j < 4; j++) {  // z[j] = rows j, 4 + j in its two halves
-    const __m128i a = _mm_loadu_si128((const __m128i*)(rp[j] + at));
+    const __m128i a = _mm_loadu_si128((const __m128i*)(k.row(r0 + j) + at));
     z[j] = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(a), _mm_loadu_si128((const __m128i*)(rp[4 + j] + at)), 1);
+        _mm256_castsi128_si256(a), _mm_loadu_si128((const __m128i*)(k.row(r0 + 4 + j) + at)), 1);
   }
   const __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
   const __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
@@ -307,10 +325,10 @@ static inline void transpose8(const uint8_t* const* rp, size_t at, __m256i* out)
   out[2] = _mm256_unpacklo_epi64(t1, t3);
   out[3] = _mm256_unpackhi_epi64(t1, t3);
 }
-static inline void transpose(const uint8_t* const* rp, size_t at, vi* out) {
+static inline void transpose(const Block& k, size_t at, vi* out) {
   __m256i lo[4], hi[4];
-  transpose8(rp, at, lo);
-  transpose8(rp + 8, at, hi);
+  transpose8(k, 0, at, lo);
+  transpose8(k, 8, at, hi);
   for (int c = 0; c < 4; c++) {
     out[c] = {lo[c], hi[c]};
   }

@@ -40,14 +40,28 @@ void scale_tile(const void* a, const size_t* srow, int groups, int g0, float* ta
   }
 }
 
-// Weight rows nb..nb+15 of one 16-row block: their pointers and row indices (lanes past the
-// last row repeat it, and are not stored).
-inline void block_rows(const QProduct& p, int nb, int rows, size_t row_bytes, const uint8_t** rp,
-                       size_t* srow) {
+// Weight rows nb..nb+15 of one 16-row block: their row indices in srow (lanes past the last row
+// repeat it, and are not stored), and the rows as a Block (qdot.h): in place, or (a last block
+// of fewer than 16 rows) copied into `pad`, the last row repeated, so that they are evenly spaced.
+inline Block block_at(const QProduct& p, int nb, int rows, size_t row_bytes, size_t* srow,
+                      std::vector<uint8_t>& pad) {
   for (int r = 0; r < 16; r++) {
     srow[r] = (size_t)(nb + std::min(r, rows - 1));
-    rp[r] = p.W + srow[r] * row_bytes;
   }
+  const uint8_t* first = p.W + (size_t)nb * row_bytes;
+  if (rows < 16) {
+    pad.resize(16 * row_bytes);
+    for (int r = 0; r < 16; r++) {
+      std::copy_n(first + std::min(r, rows - 1) * row_bytes, row_bytes, pad.data() + r * row_bytes);
+    }
+    first = pad.data();
+  }
+  Block k;
+  for (int j = 0; j < 4; j++) {
+    k.b[j] = first + 4 * j * row_bytes;
+    k.s[j] = j * row_bytes;
+  }
+  return k;
 }
 
 // fn.template operator()<R>() for the compile-time R == rows (1 <= rows <= MAX): the row kernels
