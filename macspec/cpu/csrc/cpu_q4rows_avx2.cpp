@@ -34,15 +34,15 @@ inline __m256i sum_lanes8(const __m256i* A) {
                           _mm256_permute2x128_si256(C0, C1, 0x31));
 }
 
-// Rows rp[0..7]'s sums over the 32 bytes at `at` (one group), for MR rows of x: xl[m] the
+// Rows r0..r0+7's sums over the 32 bytes at `at` (one group), for MR rows of x: xl[m] the
 // columns of the low nibbles, xh[m] of the high ones.
 template <int MR>
-inline void group8(const uint8_t* const* rp, size_t at, const __m256i* xl, const __m256i* xh,
+inline void group8(const Block& k, int r0, size_t at, const __m256i* xl, const __m256i* xh,
                    __m256i* out) {
   const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   __m256i A[MR][8];
   for (int r = 0; r < 8; r++) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(rp[r] + at));
+    const __m256i w = _mm256_loadu_si256((const __m256i*)(k.row(r0 + r) + at));
     const __m256i lo = _mm256_and_si256(w, m15);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m15);
     for (int m = 0; m < MR; m++) {
@@ -60,7 +60,7 @@ inline void group8(const uint8_t* const* rp, size_t at, const __m256i* xl, const
 // (q4_rows_prepare's order: per row of x, 16 of the low nibbles' columns, then 16 of the high
 // ones, group g's 8 first when g is even); `scale`, `bias`: the group's 16 lanes.
 template <int MR>
-inline void group_pass(const uint8_t* const* rp, int g, const int32_t* x, const float* scale,
+inline void group_pass(const Block& k, int g, const int32_t* x, const float* scale,
                        const float* bias, const QuantizedX& xq, vf* f) {
   __m256i xl[MR], xh[MR];
   const int half = 8 * (g % 2);
@@ -70,8 +70,8 @@ inline void group_pass(const uint8_t* const* rp, int g, const int32_t* x, const 
   }
   const size_t at = (size_t)g * 32;
   __m256i lo[MR], hi[MR];
-  group8<MR>(rp, at, xl, xh, lo);
-  group8<MR>(rp + 8, at, xl, xh, hi);
+  group8<MR>(k, 0, at, xl, xh, lo);
+  group8<MR>(k, 8, at, xl, xh, hi);
   const vf sc = loadf(scale), bi = loadf(bias);
   for (int m = 0; m < MR; m++) {
     const size_t i = (size_t)g * xq.M + m;
@@ -81,10 +81,10 @@ inline void group_pass(const uint8_t* const* rp, int g, const int32_t* x, const 
 
 // The lines of 16 weight rows the next pair of groups reads (two ahead), and the same place of
 // the next 16-row block, into L2 (used a block later), as cpu_q4rows.cpp does.
-inline void prefetch(const uint8_t* const* rp, size_t at, size_t block) {
+inline void prefetch(const Block& k, size_t at, size_t block) {
   for (int r = 0; r < 16; r++) {
-    __builtin_prefetch(rp[r] + at + 256);
-    _mm_prefetch(reinterpret_cast<const char*>(rp[r] + at + block), _MM_HINT_T1);
+    __builtin_prefetch(k.row(r) + at + 256);
+    _mm_prefetch(reinterpret_cast<const char*>(k.row(r) + at + block), _MM_HINT_T1);
   }
 }
 
@@ -142,11 +142,12 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   const int groups = p.K / 64;
   const size_t row_bytes = (size_t)p.K / 2;
   alignas(64) float scale[16 * 16], bias[16 * 16];
+  std::vector<uint8_t> pad;
   for (int nb = n0; nb < n1; nb += 16) {
     const int rows = std::min(16, n1 - nb);
-    const uint8_t* rp[16];
     size_t srow[16];
-    block_rows(p, nb, rows, row_bytes, rp, srow);
+    const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
+    const size_t next = rows == 16 ? 16 * row_bytes : 0;  // no block after a short one
     vf f[MR];
     for (int m = 0; m < MR; m++) {
       f[m] = vf{_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -161,10 +162,10 @@ void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
         }
       }
       if (g % 2 == 0) {
-        prefetch(rp, (size_t)g * 32, 16 * row_bytes);
+        prefetch(k, (size_t)g * 32, next);
       }
       const int32_t* x = xq.rows.data() + (size_t)(g / 2) * 32 * MR;
-      group_pass<MR>(rp, g, x, scale + g % 16 * 16, bias + g % 16 * 16, xq, f);
+      group_pass<MR>(k, g, x, scale + g % 16 * 16, bias + g % 16 * 16, xq, f);
     }
     for (int m = 0; m < MR; m++) {
       alignas(64) float out[16];
