@@ -39,7 +39,10 @@ SOURCES = (
     SOURCE,
     *(
         SOURCE_DIR / f"cpu_{n}.cpp"
-        for n in ("layer", "attention", "block", "sample", "qfloat", "qint8", "q4rows", "q4rows_avx2", "q4wide")
+        for n in (
+            *("layer", "attention", "block", "sample", "qfloat", "qint8"),
+            *("q4rows", "q4rows_avx2", "q4wide"),
+        )
     ),
 )
 HEADERS = tuple(
