@@ -38,6 +38,9 @@ class Policy(Protocol):
         """After a plain step: whether the next round will be one too if its label is the
         last one's (its pass may then start before this step's id is read)."""
 
+    # Optional: pick(labels, launched, position) -> one of `labels`, for a drafter that offers
+    # several kinds of proposal (HybridDrafter.labels); without it the drafter's default runs.
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -304,6 +307,15 @@ class AdaptiveK:
         speed = self.marginal_speed if launched else self.expected_speed
         return max(range(1, cap + 1), key=lambda k: speed(k, label))
 
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        """Of the labels a drafter offers for its next proposal (a hybrid's short match: its
+        model or a copy), the one whose best K is expected to emit the most tokens a second:
+        each label's acceptance as observed so far (its arm), its rounds priced by the measured
+        costs (a copy drafts for free, the model pays draft_step a token). Ties: the first."""
+        self.price(position)
+        speed = self.marginal_speed if launched else self.expected_speed
+        return max(labels, key=lambda label: speed(self.best_k(label, launched), label))
+
     def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         self._last = label
         self.price(position)
@@ -429,6 +441,9 @@ class AdaptiveTree:
             self.since[self._last] = 0
             return self._last
         return k
+
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        return self.chain.pick(labels, launched, position)  # (trees: the model's alone)
 
     def observe(self, k: int, accepted: int) -> None:
         self.chain.observe(k, accepted)
