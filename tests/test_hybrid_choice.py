@@ -35,23 +35,34 @@ def _policy() -> AdaptiveK:
 # ---------------------------------------------------------------- the choice, priced
 
 
-def test_a_short_copy_is_picked_where_the_model_misses_and_the_model_where_it_hits():
-    missing = _at(_policy(), None, 0.1)
-    assert missing.pick((None, 2)) == 2  # a 2-id match's copy (45% before any) against 10%
-    assert missing.pick((None, 1)) == 1  # (18%): free drafts beat paid ones that miss
+def test_a_short_copy_is_picked_where_the_model_loses_and_the_model_where_it_pays():
+    missing = _at(_policy(), None, 0.05)  # the model's best round is priced below plain
+    assert missing.pick((None, 2)) == 2  # a 2-id match's copy (45% before any) pays
+    assert missing.pick((None, 1)) == 1  # (18%): free drafts beat a plain step
     hitting = _at(_policy(), None, 0.9)
     assert hitting.pick((None, 2)) is None and hitting.pick((None, 1)) is None
-    # The copies' own record counts too: against a model at 35%, 2-id copies win at their
-    # prior and lose once they are seen to miss.
+    # While the model pays it drafts, though a copy is priced faster: only the label that
+    # drafts is observed, and a model that missed its first rounds must be seen to recover.
     middling = _at(_policy(), None, 0.35)
-    assert middling.pick((None, 2)) == 2
-    assert _at(middling, 2, 0.05).pick((None, 2)) is None
+    assert middling.expected_speed(2, 2) > middling.expected_speed(middling.best_k(), None)
+    assert middling.pick((None, 2)) is None
+    # The copies' own record counts: copies seen to miss lose too, and the default stands.
+    assert _at(missing, 2, 0.0).pick((None, 2)) is None
 
 
-def test_a_launched_pass_prices_the_choice_as_next_k_does():
-    policy = _at(_policy(), None, 0.1)
-    launched = max((None, 2), key=lambda a: policy.marginal_speed(policy.best_k(a, True), a))
-    assert policy.pick((None, 2), launched=True) == launched == 2
+def test_a_model_passed_over_while_falling_back_counts_the_round_in_its_wait():
+    policy = _at(_policy(), None, 0.05)
+    policy.arm(None).skips_left = 2
+    assert [policy.pick((None, 2)) for _ in range(2)] == [2, 2]
+    # Its plain stretch is over: its probe is due, and the model drafts it.
+    assert policy.arm(None).probing and policy.pick((None, 2)) is None
+    assert policy.next_k(None) >= 1
+
+
+def test_a_launched_pass_asks_the_copy_to_pay_for_its_own_pass():
+    policy = _at(_policy(), None, 0.05)
+    assert policy.pick((None, 2), launched=True) is None  # 45%: not worth its own pass
+    assert _at(policy, 2, 0.95).pick((None, 2), launched=True) == 2
 
 
 class Proposes:
