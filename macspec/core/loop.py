@@ -22,7 +22,7 @@ from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import DistFn, Drafter, catch_up_time
 from .logprobs import TokenLogprob, token_logprobs
-from .policy import FixedK, Policy
+from .policy import FixedK, Label, Policy
 from .sampling import SamplingOptions
 from .target import Target
 from .tree import TreeShape, fit, tree_round
@@ -205,8 +205,23 @@ def _next_k(
     policy's, never past max_tokens or the context (a round emits at most k + 1 ids)."""
     if drafter is None or generated == 0:
         return 0
-    k = policy.next_k(drafter.label(), target.ahead is not None, target.offset)
+    launched = target.ahead is not None
+    k = policy.next_k(_label(policy, drafter, launched, target.offset), launched, target.offset)
     return fit(k, room - 1) if isinstance(k, TreeShape) else min(k, room - 1)
+
+
+def _label(policy: Policy, drafter: Drafter, launched: bool, position: int) -> Label:
+    """The label of the drafter's next proposal: where it offers several (a hybrid's short
+    match: its model or a copy) and the policy can weigh them, the policy's pick, which the
+    drafter then drafts (from the context and past rounds only: exact)."""
+    offered = getattr(drafter, "labels", None)
+    pick = getattr(policy, "pick", None)
+    if offered is None or pick is None:
+        return drafter.label()
+    labels = offered()
+    label = labels[0] if len(labels) == 1 else pick(labels, launched, position)
+    drafter.choose(label)
+    return label
 
 
 @dataclass

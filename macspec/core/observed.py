@@ -59,6 +59,7 @@ class Observations:
     arms: dict[Arm, Tally] = field(default_factory=dict)
     waits: dict[Label, int] = field(default_factory=dict)  # vetoed rounds between two probes
     vetoed: dict[Label, int] = field(default_factory=dict)  # vetoed rounds since the last probe
+    resting: set = field(default_factory=set)  # labels whose last proposal was vetoed
     # label -> the inner policy's acceptance estimates (policy.AdaptiveK.kept), for the next
     # generation to start from
     acceptance: dict = field(default_factory=dict)
@@ -116,7 +117,29 @@ class Observed:
         k = self.choose(label, k)
         if k != 0:
             self._arm = (label, k)
+        (self.seen.resting.add if self._vetoing else self.seen.resting.discard)(label)
         return k
+
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        """Of the labels a drafter offers (a hybrid's short match: its model or a copy), the
+        inner policy's pick among those not resting: a label whose last proposal was vetoed is
+        passed over till its probe is due, each round counted in its wait, so that where one
+        kind of proposal loses here the other drafts, not plain steps. All resting: all open."""
+        seen = self.seen
+        resting = [
+            label
+            for label in labels
+            if label in seen.resting
+            and seen.vetoed.get(label, 0) < seen.waits.get(label, self.FIRST_WAIT)
+        ]
+        offered = tuple(label for label in labels if label not in resting) or labels
+        if len(offered) < len(labels):
+            for label in resting:
+                seen.vetoed[label] = seen.vetoed.get(label, 0) + 1
+        inner = getattr(self.inner, "pick", None)
+        if inner is None or len(offered) == 1:
+            return offered[0]
+        return inner(offered, launched, position)
 
     def __post_init__(self) -> None:
         # One Observed per generation: a label that lost on the last prompt is probed soon on
@@ -124,6 +147,7 @@ class Observed:
         # would keep a paying draft idle for most of a short answer).
         self.seen.waits.clear()
         self.seen.vetoed.clear()
+        self.seen.resting.clear()
 
     def choose(self, label: Label, k: int | TreeShape) -> int | TreeShape:
         """The choice rule above, for a proposal of k drafts with label `label`."""

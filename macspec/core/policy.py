@@ -38,6 +38,9 @@ class Policy(Protocol):
         """After a plain step: whether the next round will be one too if its label is the
         last one's (its pass may then start before this step's id is read)."""
 
+    # Optional: pick(labels, launched, position) -> one of `labels`, for a drafter that offers
+    # several kinds of proposal (HybridDrafter.labels); without it the drafter's default runs.
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -304,6 +307,40 @@ class AdaptiveK:
         speed = self.marginal_speed if launched else self.expected_speed
         return max(range(1, cap + 1), key=lambda k: speed(k, label))
 
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        """Of the labels a drafter offers for its next proposal, the first (its default: a
+        hybrid's draft model) while it is expected to beat plain decoding, else the one whose
+        best K is expected to emit the most tokens a second of those that are: each from its
+        own acceptance as observed so far (its arm), priced by the measured costs (a copy
+        drafts for free, the model pays draft_step a token). The default keeps drafting where it
+        pays, so its acceptance stays observed (picked by speed alone, a draft that missed its
+        first rounds lost every short match to copies and was never seen to recover). A label
+        passed over while falling back counts the round in its plain stretch."""
+        self.price(position)
+        speed = self.marginal_speed if launched else self.expected_speed
+        default, *others = labels
+        winners = [a for a in others if not self.loses(a, launched)]
+        if not winners or not self.loses(default, launched):
+            return default
+        best = max(winners, key=lambda a: speed(self.best_k(a, launched), a))
+        for label in labels:
+            arm = self.arm(label)
+            if label != best and arm.skips_left > 0:
+                arm.skips_left -= 1
+                arm.probing = arm.skips_left == 0
+        return best
+
+    def loses(self, label: Label, launched: bool = False) -> bool:
+        """Whether a proposal with this label would be a plain step now (falling back, or its
+        best K priced below plain decoding); not while its probe is due."""
+        arm = self.arm(label)
+        if arm.probing:
+            return False
+        if arm.skips_left > 0:
+            return True
+        speed = self.marginal_speed if launched else self.expected_speed
+        return speed(self.best_k(label, launched), label) < self.margin / self.now.plain_step
+
     def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         self._last = label
         self.price(position)
@@ -429,6 +466,9 @@ class AdaptiveTree:
             self.since[self._last] = 0
             return self._last
         return k
+
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        return self.chain.pick(labels, launched, position)  # (trees: the model's alone)
 
     def observe(self, k: int, accepted: int) -> None:
         self.chain.observe(k, accepted)
