@@ -1,8 +1,8 @@
 // cpu_q4rows.cpp's row kernel for CPUs with AVX2 but without AVX-512 (most AMD EPYC before Zen 4,
-// Intel client cores): int8 products of 1 or 2 rows of x by 4-bit weights in groups of 64.
+// Intel client cores): int8 products of 1 to 8 rows of x by 4-bit weights in groups of 64.
 // q8_chunk (cpu_qint8.cpp) first transposes 16 weight rows into a buffer of unpacked bytes and
-// reads them back; at one row of x those shuffles, stores and reloads took most of a step (the
-// weights cost less to read than to rearrange). Here each weight row's 32 bytes of a group are
+// reads them back; at a few rows of x those shuffles, stores and reloads took most of a step
+// (the weights cost less to read than to rearrange). Here each weight row's 32 bytes of a group are
 // used as they lie: nibbles against x's columns (vpmaddubsw, exact: 2 * 15 * 127 fits a word),
 // the 8 lanes of each row summed per group (sum_lanes8), rows 0-7 and 8-15 in one vector each.
 // The integer sums are q8_chunk's exact numbers and the float steps the same (qdot.h's

@@ -77,15 +77,16 @@ inline void with_rows(int rows, F&& fn) {
   fn.template operator()<MAX>();
 }
 
-// Whether this build has the 1-2 row kernels (cpu_q4rows.cpp with AVX-512 VNNI,
-// cpu_q4rows_avx2.cpp without AVX-512), and the most rows of x they take: past it the 3-8 row
-// kernel (cpu_q4wide.cpp, AVX-512 VNNI) or q8_chunk, whose rows cost less.
+// Whether this build has the row kernels (cpu_q4rows.cpp with AVX-512 VNNI, cpu_q4rows_avx2.cpp
+// without AVX-512), and the most rows of x they take: past it cpu_q4wide.cpp's kernel (3-8 rows,
+// AVX-512 VNNI) or q8_chunk, whose rows then cost less (docs/cpu.md, "A row kernel for AVX2").
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool Q4_ROWS = VNNI;
+constexpr int Q4_ROWS_MAX = 2;
 #else
 constexpr bool Q4_ROWS = true;
+constexpr int Q4_ROWS_MAX = 8;
 #endif
-constexpr int Q4_ROWS_MAX = 2;
 
 // Whether the row kernels run p (cpu_q4rows.cpp; never on a build without them), and x's dwords
 // in their order, into xq.rows.
