@@ -176,9 +176,9 @@ def test_row_kernels_over_several_scale_tiles_and_at_their_largest_sums(dtype):
 @pytest.mark.parametrize("count", [1, 2])
 @pytest.mark.parametrize("k", [384, 1152])  # 1152: 18 groups, past the kernels' 16-group tables
 def test_passes_of_1_to_16_rows_by_4bit_g64_weights_are_numpys_row_by_row(threads, dtype, count, k):
-    # 1-2 rows there run a kernel of their own (csrc/cpu_q4rows.cpp), 3-8 another
-    # (csrc/cpu_q4wide.cpp), 9-16 the transposing one: each gives numpy's bits, its float steps
-    # group by group in order
+    # 1-4 rows there run a kernel of their own (csrc/cpu_q4rows.cpp; on AVX2 builds
+    # cpu_q4rows_avx2.cpp, 1-8 rows), 5-8 another (csrc/cpu_q4wide.cpp), 9-16 the transposing one:
+    # each gives numpy's bits, its float steps group by group in order
     threads(count)
     weights = _weights(37, k, 64, 4, dtype, seed=7)  # two 16-row blocks and a part
     x = mx.random.normal((16, k), key=mx.random.key(8)) * 2

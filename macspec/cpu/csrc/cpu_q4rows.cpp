@@ -1,6 +1,6 @@
-// Int8 products of 1 or 2 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
+// Int8 products of 1 to 4 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI), without
 // q8_chunk's 16 x 16 byte transposes (cpu_qint8.cpp), whose shuffles cost more than reading the
-// weights at these row counts (3-8 rows: cpu_q4wide.cpp). The kernel (row_pass) reads 64 bytes
+// weights at these row counts (5-8 rows: cpu_q4wide.cpp). The kernel (row_pass) reads 64 bytes
 // (two groups) of 16 weight rows at a time, a vector a weight row, as it lies, the rows addressed
 // from a few registers (qdot.h's Block); its 16 lanes summed per group after the dot products
 // (pair_sums, sum_lanes), once per row of x. It prefetches the next 16-row block into L2 as well:

@@ -1,4 +1,5 @@
-// Int8 products of 3 to 8 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI): q8_chunk's
+// Int8 products of 3 to 8 rows of x by 4-bit weights in groups of 64 (AVX-512 VNNI; 1-4 rows
+// take cpu_q4rows.cpp's kernel first, which costs less there): q8_chunk's
 // transposes (cpu_qint8.cpp, a vector 4 weights of each of 16 rows) kept in registers, each used
 // at once by every row of x, with no buffer between; x's offsets known at compile time (x has
 // MR rows); the rows addressed from a few registers; and the next 16-row block prefetched into

@@ -9,8 +9,8 @@
 // rows is transposed on the fly so that a vector holds 4 weights of each row, one row a lane,
 // into a small buffer that every row of x then reads. Each lane's sums are exact integers and its
 // float steps are the same whatever M, the threads or the instruction set. A pass of up to 8
-// rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernel (1-2 rows) or
-// cpu_q4wide.cpp's (3-8) instead, with AVX-512 VNNI.
+// rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernel (1-4 rows) or
+// cpu_q4wide.cpp's (5-8) instead with AVX-512 VNNI, and cpu_q4rows_avx2.cpp's (1-8) on AVX2.
 
 #include <algorithm>
 #include <cmath>

@@ -78,11 +78,12 @@ inline void with_rows(int rows, F&& fn) {
 }
 
 // Whether this build has the row kernels (cpu_q4rows.cpp with AVX-512 VNNI, cpu_q4rows_avx2.cpp
-// without AVX-512), and the most rows of x they take: past it cpu_q4wide.cpp's kernel (3-8 rows,
-// AVX-512 VNNI) or q8_chunk, whose rows then cost less (docs/cpu.md, "A row kernel for AVX2").
+// without AVX-512), and the most rows of x they take: past it cpu_q4wide.cpp's kernel (5-8 rows,
+// AVX-512 VNNI) or q8_chunk, whose rows then cost less (docs/cpu.md: "A row kernel for AVX2",
+// "3-4 rows without transposes").
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr bool Q4_ROWS = VNNI;
-constexpr int Q4_ROWS_MAX = 2;
+constexpr int Q4_ROWS_MAX = 4;
 #else
 constexpr bool Q4_ROWS = true;
 constexpr int Q4_ROWS_MAX = 8;
@@ -97,7 +98,7 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq);
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
-// The same for the 3-8 row kernel (cpu_q4wide.cpp), which reads x in q8_chunk's order.
+// The same for the 3-8 row kernel (cpu_q4wide.cpp; it runs 5-8 where the row kernels run), which reads x in q8_chunk's order.
 bool q4_wide_run(const QProduct& p);
 template <ScaleType T>
 void q4_wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
