@@ -9,7 +9,6 @@
 // The integer sums are q8_chunk's exact numbers and the float steps the same, lane by lane,
 // group by group in order: the same bits whichever kernel runs.
 
-#include <stdexcept>
 #include <vector>
 
 #include "common.h"
@@ -203,18 +202,7 @@ template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, 
 template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
 template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
 
-#elif defined(__AVX512F__) && defined(__AVX512BW__)  // AVX-512 without VNNI: q8_chunk for all
-
-template <ScaleType T>
-void q4_rows_chunk(const QProduct&, const QuantizedX&, int, int) {
-  throw std::logic_error("[macspec products] no row kernels on this build");
-}
-
-template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
-template void q4_rows_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
-template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&, int, int);
-
-#endif  // (AVX2 without AVX-512: cpu_q4rows_avx2.cpp)
+#endif  // (AVX2 without AVX-512: cpu_q4rows_avx2.cpp; AVX-512 without VNNI: q8_chunk for all)
 
 bool q4_rows_run(const QProduct& p) {
   return Q4_ROWS && p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M <= Q4_ROWS_MAX;

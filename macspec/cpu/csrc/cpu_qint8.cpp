@@ -249,9 +249,11 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
 
 template <ScaleType T>
 void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  if (!xq.rows.empty()) {
-    q4_rows_chunk<T>(p, xq, n0, n1);
-    return;
+  if constexpr (Q4_ROWS) {  // (xq.rows is empty on a build without row kernels)
+    if (!xq.rows.empty()) {
+      q4_rows_chunk<T>(p, xq, n0, n1);
+      return;
+    }
   }
   if (q4_wide_run(p)) {
     q4_wide_chunk<T>(p, xq, n0, n1);
