@@ -30,7 +30,11 @@ namespace mx = mlx::core;
 // ---------------------------------------------------------------- a small thread pool
 //
 // A job is a number of chunks that threads claim one at a time, so a worker that is late (its
-// core busy elsewhere) leaves its share to the others instead of holding everyone up. Workers
+// core busy elsewhere) leaves its share to the others instead of holding everyone up. The
+// chunks are cut into one contiguous part per thread, which its owner claims from the front and
+// the others, once their own part is done, from the back: each thread then streams adjacent
+// weight rows, which the kernels' prefetch of the next block and the hardware prefetchers
+// follow (docs/cpu.md, "Each thread its own stretch of rows"). Workers
 // spin briefly between jobs (a decode step calls a product every few microseconds), then sleep
 // on a futex, so an idle process costs nothing.
 
@@ -69,9 +73,14 @@ class Pool {
     job_ = &fn;
     done_.store(0, std::memory_order_relaxed);
     uint64_t gen = (state_.load(std::memory_order_relaxed) >> 32) + 1;
-    state_.store(gen << 32 | uint64_t(chunks) << 16);  // publishes job_ and done_
+    for (int t = 0; t < nthreads_; t++) {
+      const uint64_t first = (uint64_t)chunks * t / nthreads_;
+      const uint64_t end = (uint64_t)chunks * (t + 1) / nthreads_;
+      parts_[t].store(gen << 32 | end << 16 | first, std::memory_order_relaxed);
+    }
+    state_.store(gen << 32 | uint64_t(chunks) << 16);  // publishes job_, done_ and parts_
     wake();
-    int mine = claim_all(gen);
+    int mine = claim_all(gen, 0);
     int spins = 0;
     while (done_.load(std::memory_order_acquire) + mine < chunks) {
       if (++spins < 4096) {
@@ -107,21 +116,39 @@ class Pool {
 #endif
   }
 
-  // Claims and runs chunks of job `gen` until none is left; returns how many it ran. A claim
-  // is a compare-and-swap on the whole state, so a thread late from an earlier job can
-  // neither take a chunk of the next one unknowingly nor read its size out of date.
-  int claim_all(uint64_t gen) {
-    int ran = 0;
-    uint64_t s = state_.load(std::memory_order_acquire);
-    while (true) {
-      uint64_t chunks = (s >> 16) & 0xffff, next = s & 0xffff;
-      if ((s >> 32) != gen || next >= chunks) {
-        return ran;
-      }
-      if (state_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel)) {
-        (*job_)((int)next);
+  // Claims and runs chunks of job `gen` until none is left, its own part (`self`) first, then
+  // the others' from their ends; returns how many it ran. A claim is a compare-and-swap on a
+  // part's whole word, its job's generation included, so a thread late from an earlier job can
+  // neither take a chunk of the next one unknowingly nor read its bounds out of date.
+  int claim_all(uint64_t gen, int self) {
+    int ran = 0, chunk;
+    while (claim(parts_[self], gen, true, chunk)) {
+      (*job_)(chunk);
+      ran++;
+    }
+    for (int i = 1; i < nthreads_; i++) {
+      std::atomic<uint64_t>& part = parts_[(self + i) % nthreads_];
+      while (claim(part, gen, false, chunk)) {
+        (*job_)(chunk);
         ran++;
-        s = state_.load(std::memory_order_acquire);
+      }
+    }
+    return ran;
+  }
+
+  // One chunk of `part` (generation << 32 | end << 16 | next): its next one (`front`), or its
+  // last one; false where the part is empty or of another job.
+  static bool claim(std::atomic<uint64_t>& part, uint64_t gen, bool front, int& chunk) {
+    uint64_t s = part.load(std::memory_order_acquire);
+    while (true) {
+      const uint64_t end = (s >> 16) & 0xffff, next = s & 0xffff;
+      if ((s >> 32) != gen || next >= end) {
+        return false;
+      }
+      const uint64_t claimed = front ? s + 1 : s - (uint64_t(1) << 16);
+      if (part.compare_exchange_weak(s, claimed, std::memory_order_acq_rel)) {
+        chunk = (int)(front ? next : end - 1);
+        return true;
       }
     }
   }
@@ -158,8 +185,9 @@ class Pool {
     // The generation is read here, not in the new thread: a stop that comes before the thread
     // runs must still be seen as a change.
     uint64_t seen = state_.load() >> 32;
+    parts_ = std::vector<std::atomic<uint64_t>>(nthreads_);  // all 0: generation 0, empty
     for (int i = 1; i < nthreads_; i++) {
-      workers_.emplace_back([this, seen] { work(seen); });
+      workers_.emplace_back([this, seen, i] { work(seen, i); });
     }
   }
 
@@ -175,7 +203,7 @@ class Pool {
     workers_.clear();
   }
 
-  void work(uint64_t seen) {
+  void work(uint64_t seen, int self) {
     while (true) {
       auto start = std::chrono::steady_clock::now();
       int spins = 0;
@@ -192,7 +220,7 @@ class Pool {
         return;
       }
       seen = s >> 32;
-      int ran = claim_all(seen);
+      int ran = claim_all(seen, self);
       if (ran) {
         done_.fetch_add(ran, std::memory_order_acq_rel);
       }
@@ -204,8 +232,10 @@ class Pool {
   int spin_us_ = 20;
   pid_t pid_ = 0;
   std::atomic<bool> stop_{false};
-  // job generation << 32 | its number of chunks << 16 | the next chunk to claim
+  // job generation << 32 | its number of chunks << 16
   std::atomic<uint64_t> state_{0};
+  // thread t's part of the job's chunks: generation << 32 | end << 16 | the next to claim
+  std::vector<std::atomic<uint64_t>> parts_;
   std::atomic<int> done_{0};  // chunks the workers finished
   const std::function<void(int)>* job_ = nullptr;
   std::vector<std::thread> workers_;
