@@ -144,6 +144,19 @@ def test_every_row_is_the_same_whatever_the_rows_and_threads(threads, bits, grou
         np.testing.assert_array_equal(_q8(x[:rows], weights, group, bits), alone[:rows])
 
 
+@pytest.mark.parametrize("count", [3, 5])
+def test_every_chunk_runs_once_when_threads_take_each_others_parts(threads, count):
+    # More threads than this CI's cores: workers start late, and the others take the chunks of
+    # their parts from the back. A chunk skipped or claimed out of its part leaves rows unset.
+    threads(count)
+    weights = _weights(16 * 37, 4096, 64, 4, mx.bfloat16, seed=5)  # 19 chunks of 32 rows
+    x = mx.random.normal((3, 4096), key=mx.random.key(6))
+    want = reference(x, *weights, 64, 4)
+    for _ in range(20):
+        for rows in (1, 3):
+            np.testing.assert_array_equal(_q8(x[:rows], weights, 64, 4), want[:rows])
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("k", [384, 320])  # 320: not a multiple of 128, the transposing kernel
 def test_one_row_by_4bit_g64_weights_is_numpys_and_a_pass_rows(dtype, k):
