@@ -156,6 +156,13 @@ INT8_ACTIVATIONS = Switch(
     "quantized native products take int8 activations and integer dot products (off: float ones)",
     at_import=True,
 )
+REPACK = Switch(
+    "MACSPEC_REPACK",
+    "flag",
+    True,
+    "4-bit weights repacked at load for the int8 products (AVX-512 VNNI; off: MLX's layout)",
+    at_import=True,
+)
 NATIVE_LAYERS = Switch(
     "MACSPEC_NATIVE_LAYERS",
     "flag",
@@ -202,6 +209,7 @@ ALL = (
     NATIVE_THREADS,
     NATIVE_PRODUCTS,
     INT8_ACTIVATIONS,
+    REPACK,
     NATIVE_LAYERS,
     NATIVE_BLOCKS,
     DIST_TIMEOUT,

@@ -82,7 +82,7 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
         f"macspec/cpu/csrc/{n}"
         for n in (
             *("cpu_linear.cpp", "cpu_qint8.cpp", "cpu_q4rows.cpp", "cpu_q4rows_avx2.cpp"),
-            *("cpu_q4wide.cpp",),
+            *("cpu_q4wide.cpp", "cpu_q4packed.cpp"),
             *("cpu_layer.cpp", "cpu_sample.cpp"),
             *("common.h", "qdot.h", "qint8.h"),
         )

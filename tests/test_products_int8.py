@@ -286,9 +286,18 @@ def q4_pair_in(root: Path, hidden: int, group: int = 32) -> macspec.Pair:
     )
 
 
-@pytest.fixture(scope="module")
-def q4_pair(tmp_path_factory):
-    return q4_pair_in(tmp_path_factory.mktemp("q4"), hidden=64)
+# Groups of 64: the layers' weights repacked at load where the build takes them (test_repack.py).
+@pytest.fixture(scope="module", params=[32, 64])
+def q4_pair(tmp_path_factory, request):
+    pair = q4_pair_in(tmp_path_factory.mktemp("q4"), hidden=64, group=request.param)
+    assert _repacked(pair.target) == (request.param == 64 and ext.q4_packs())
+    return pair
+
+
+def _repacked(model: nn.Module) -> bool:
+    return any(
+        isinstance(m, nn.QuantizedLinear) and products.repacked(m) for _, m in model.named_modules()
+    )
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -306,14 +315,19 @@ def test_greedy_speculation_on_a_4bit_target_equals_plain_decoding(q4_pair, monk
     assert any(rows == k + 1 for rows, _ in calls)  # verification passes ran them
 
 
-@pytest.fixture(scope="module")
-def q4_small_pair(tmp_path_factory):
-    """test_exactness's small pair, both models at 4 bits."""
+@pytest.fixture(scope="module", params=[32, 64])
+def q4_small_pair(tmp_path_factory, request):
+    """test_exactness's small pair, both models at 4 bits (in groups of 64: repacked)."""
     root = tmp_path_factory.mktemp("q4small")
-    kw = {"chars": SMALL, "scale": 8.0, "vocab_rows": 9, "tie": False, "seed": 3}
+    group = request.param
+    kw = {"chars": SMALL, "scale": 8.0, "vocab_rows": 9, "tie": False, "seed": 3, "hidden": group}
     target = make_tiny_model(root / "target", **kw)
     draft = make_tiny_model(root / "draft", perturb=0.2, **kw)
-    pair = macspec.load(_quantized_copy(target, root / "tq"), _quantized_copy(draft, root / "dq"))
+    pair = macspec.load(
+        _quantized_copy(target, root / "tq", group=group),
+        _quantized_copy(draft, root / "dq", group=group),
+    )
+    assert _repacked(pair.target) == (group == 64 and ext.q4_packs())
     pair.eos_token_ids = frozenset()  # every sequence has the full length
     return pair
 

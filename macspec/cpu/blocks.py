@@ -57,6 +57,8 @@ def _layout(linears: tuple) -> tuple[int, int] | str:
         return "its products are neither all float32 nor all affine 4/8-bit quantized"
     if len({(m.bits, m.group_size) for m in linears}) > 1:
         return "its products are quantized with different bits or group sizes"
+    if not products.int8_activations and any(products.repacked(m) for m in linears):
+        return "its weights are repacked for int8 activations, which are switched off"
     return linears[0].bits, linears[0].group_size
 
 

@@ -427,6 +427,7 @@ def accelerate(model: nn.Module) -> int:
     layers = list(getattr(trunk, "layers", []) or [])
     changed = accelerate_layers(layers)
     switch_products(model)
+    products.repack(model)
     switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
@@ -485,10 +486,15 @@ def stock(*models: nn.Module | None) -> Iterator[None]:
         for _, m in model.named_modules()
         if "_macspec_stock" in type(m).__dict__
     ]
+    repacked = [m for m in switched if isinstance(m, nn.QuantizedLinear) and products.repacked(m)]
     for m in switched:
         m.__class__ = type(m)._macspec_stock
+    for m in repacked:
+        products.unpack(m)
     try:
         yield
     finally:
         for m in switched:
             m.__class__ = _SUBCLASSES[type(m)]
+        for m in repacked:
+            products.pack(m)

@@ -41,7 +41,7 @@ SOURCES = (
         SOURCE_DIR / f"cpu_{n}.cpp"
         for n in (
             *("layer", "attention", "block", "sample", "qfloat", "qint8"),
-            *("q4rows", "q4rows_avx2", "q4wide"),
+            *("q4rows", "q4rows_avx2", "q4wide", "q4packed"),
         )
     ),
 )

@@ -35,6 +35,8 @@ _enabled = switches.NATIVE_PRODUCTS.value()
 # int8 ones with integer dot products, llama.cpp's choice on CPUs too. Int8 moves the logits
 # slightly, for plain and speculative decoding alike: exactness is relative to the target as run.
 int8_activations = switches.INT8_ACTIVATIONS.value()
+# Off: 4-bit weights stay in MLX's layout, and each pass transposes them on the fly (repack).
+repack_weights = switches.REPACK.value()
 
 
 def enabled() -> bool:
@@ -104,10 +106,85 @@ def _qlinear(ext: Any, m: nn.Module, x: mx.array) -> mx.array:
 
 def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     ext = _ext(x)
+    if repacked(self) and (ext is None or not int8_activations):
+        unpack(self)  # mlx's own product, or float activations, read MLX's layout
     if ext is not None and quantized_ok(self):
         y = _qlinear(ext, self, x)
         return y + self["bias"] if "bias" in self else y
     return type(self)._macspec_stock.__call__(self, x)
+
+
+# ---------------------------------------------------------------- 4-bit weights repacked at load
+#
+# With AVX-512 VNNI the int8 products take 4-bit weights in groups of 64 repacked once: each
+# 16-row block's words transposed (weights (N / 16, K / 64, 128), scales and biases
+# (N / 16, K / 64, 16); csrc/cpu_q4packed.cpp), which the kernels otherwise do in every pass. The
+# arrays replace the module's own (no second copy); the same bits come out. Anything that would
+# read them as MLX's layout (mlx's own product, float activations, `kernels.stock`) unpacks them
+# first; their new shapes make mlx refuse them rather than misread them.
+
+
+def repacked(m: nn.Module) -> bool:
+    return m.weight.ndim == 3
+
+
+def packable(m: nn.Module) -> bool:
+    """`m` is a 4-bit product in groups of 64 that this build takes repacked."""
+    ext = native.load()
+    return (
+        ext is not None
+        and _enabled
+        and int8_activations
+        and repack_weights
+        and ext.q4_packs()
+        and isinstance(m, nn.QuantizedLinear)
+        and quantized_ok(m)
+        and m.bits == 4
+        and m.group_size == 64
+        and m.weight.ndim == 2
+        and m.weight.shape[0] % 16 == 0
+    )
+
+
+def pack(m: nn.Module) -> None:
+    """Repack `m`'s weights for the int8 products (a no-op where they are)."""
+    if repacked(m):
+        return
+    w, s, b = m.weight, m.scales, m.biases
+    n, words = w.shape
+    blocks, groups = n // 16, words // 8
+    m.weight = mx.contiguous(w.reshape(blocks, 16, groups, 8).transpose(0, 2, 3, 1)).reshape(
+        blocks, groups, 128
+    )
+    m.scales, m.biases = (
+        mx.contiguous(a.reshape(blocks, 16, groups).transpose(0, 2, 1)) for a in (s, b)
+    )
+    mx.eval(m.weight, m.scales, m.biases)
+
+
+def unpack(m: nn.Module) -> None:
+    """`m`'s weights back in MLX's layout (a no-op where they are)."""
+    if not repacked(m):
+        return
+    blocks, groups, _ = m.weight.shape
+    w = m.weight.reshape(blocks, groups, 8, 16).transpose(0, 3, 1, 2)
+    m.weight = mx.contiguous(w).reshape(blocks * 16, groups * 8)
+    m.scales, m.biases = (
+        mx.contiguous(a.transpose(0, 2, 1)).reshape(blocks * 16, groups)
+        for a in (m.scales, m.biases)
+    )
+    mx.eval(m.weight, m.scales, m.biases)
+
+
+def repack(model: nn.Module) -> int:
+    """Repack every 4-bit product of `model`'s layers that this build takes so; the output head
+    stays in MLX's layout (a draft's pruned head takes its rows). Returns how many."""
+    done = 0
+    for name, m in model.named_modules():
+        if ".layers." in f".{name}." and packable(m):
+            pack(m)
+            done += 1
+    return done
 
 
 def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:

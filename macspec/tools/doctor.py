@@ -230,7 +230,7 @@ def _layer_products(model: Any, head: Any) -> list[tuple[Any, int]]:
         if m is head:
             continue
         if isinstance(m, nn.QuantizedLinear):
-            found.append((m, m.weight.shape[1] * 32 // m.bits))
+            found.append((m, m.scales.shape[1] * m.group_size))  # (repacked or not)
         elif isinstance(m, nn.Linear):
             found.append((m, m.weight.shape[1]))
     return found

@@ -22,6 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...errors import ModelError
 from ..target import hidden_states, language_model
 
 log = logging.getLogger("macspec.core")
@@ -57,6 +58,10 @@ def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
 
 def _rows(source: nn.Module, ids: mx.array) -> nn.Module:
     """A copy of the head module `source` holding the rows of `ids` alone."""
+    if source["weight"].ndim != 2:  # (the CPU products repack layers' weights, never a head's)
+        raise ModelError(
+            f"the draft's head has weights of shape {source['weight'].shape}, not rows"
+        )
     module = copy.copy(source)
     for name in ("weight", "scales", "biases", "bias"):
         if name in source:

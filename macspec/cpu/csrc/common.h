@@ -291,6 +291,15 @@ void run_joined(const int* N, const int* row_bytes, int count, const Fn& fn) {
   });
 }
 
+// Rows and columns of a weight matrix stored as `w`: float32 (N, K), MLX's affine layout
+// (N, K * bits / 32), or 4-bit weights repacked at load (N / 16, K / 64, 128; cpu_q4packed.cpp).
+inline int matrix_rows(const mx::array& w) {
+  return w.ndim() == 3 ? w.shape(0) * 16 : w.shape(0);
+}
+inline int matrix_cols(const mx::array& w, int bits) {
+  return w.ndim() == 3 ? w.shape(1) * 64 : bits == 32 ? w.shape(1) : w.shape(1) * 32 / bits;
+}
+
 // The stream every macspec primitive runs on.
 inline mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device(mx::Device::cpu));

@@ -67,8 +67,8 @@ static void run_products(const Mats& w, const std::vector<mx::array>& in, int fi
     const size_t i = first + 3 * jobs[j].matrix;
     const mx::array& a = in[i];
     q[j] = {a.data<uint8_t>(), in[i + 1].data<void>(), in[i + 2].data<void>(),
-            scale_type(in[i + 1].dtype()), jobs[j].x, jobs[j].y, M, a.shape(0),
-            a.shape(1) * 32 / w.bits, w.bits, w.group};
+            scale_type(in[i + 1].dtype()), jobs[j].x, jobs[j].y, M, matrix_rows(a),
+            matrix_cols(a, w.bits), w.bits, w.group, a.ndim() == 3};
   }
   if (w.int8) {
     q_int8_products(q, count);
@@ -78,7 +78,7 @@ static void run_products(const Mats& w, const std::vector<mx::array>& in, int fi
 }
 
 static int cols(const mx::array& w, const Mats& m) {  // K of a matrix stored as w
-  return m.bits == 32 ? w.shape(1) : w.shape(1) * 32 / m.bits;
+  return matrix_cols(w, m.bits);
 }
 
 static void check_weights(const std::vector<mx::array>& inputs, size_t from, size_t to) {
@@ -117,7 +117,7 @@ class QkvRope : public LayerOp {
                       bias = bias_, has_positions = positions_]() {
       std::vector<float> hs, ws, cs, ss;
       const int L = in[0].shape(1), D = in[0].shape(2), B0 = W0 + 3 * w.arrays();
-      const int Nq = in[W0].shape(0), Nk = in[W0 + w.arrays()].shape(0);
+      const int Nq = matrix_rows(in[W0]), Nk = matrix_rows(in[W0 + w.arrays()]);
       std::vector<float> buf((size_t)L * (D + Nq + 2 * Nk));
       float *normed = buf.data(), *q = normed + (size_t)L * D, *k = q + (size_t)L * Nq,
             *v = k + (size_t)L * Nk;
@@ -136,7 +136,7 @@ class QkvRope : public LayerOp {
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const int L = inputs[0].shape(1), D = inputs[W0].shape(0) / heads_;
+    const int L = inputs[0].shape(1), D = matrix_rows(inputs[W0]) / heads_;
     return {{1, heads_, L, D}, {1, kv_heads_, L, D}, {1, kv_heads_, L, D}};
   }
   const char* name() const override {
@@ -160,7 +160,7 @@ class QkvRope : public LayerOp {
 // from in[W0] on, the norm's weight `nw`.
 static void project_mlp(const Mats& w, const std::vector<mx::array>& in, int W0, const float* h,
                         const float* nw, float eps, const float* a, int L, int D, float* y) {
-  const int F = in[W0 + w.arrays()].shape(0);
+  const int F = matrix_rows(in[W0 + w.arrays()]);
   std::vector<float> buf((size_t)L * (3 * D + 3 * F));
   float *o = buf.data(), *h1 = o + (size_t)L * D, *n = h1 + (size_t)L * D,
         *g = n + (size_t)L * D, *u = g + (size_t)L * F, *s = u + (size_t)L * F;
@@ -285,6 +285,15 @@ static Mats layout(int bits, int group_size, bool int8) {
   return {bits, group_size, int8 && int8_isa() != nullptr};
 }
 
+// Weights, scales and biases repacked at load (cpu_q4packed.cpp), in the shapes it names, where
+// this build takes them.
+static bool packed_layout(const std::vector<mx::array>& m, const Mats& w) {
+  const mx::array& a = m[0];
+  return a.ndim() == 3 && w.bits == 4 && w.group == 64 && w.int8 && q4_packs() &&
+         a.shape(2) == 128 && m[1].ndim() == 3 && m[1].shape(0) == a.shape(0) &&
+         m[1].shape(1) == a.shape(1) && m[1].shape(2) == 16;
+}
+
 // A matrix of N (any where N < 0) rows and K columns, as `w` stores it; returns its rows.
 static int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, int K,
                         const char* what) {
@@ -294,18 +303,19 @@ static int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, i
   const mx::array& a = m[0];
   if (w.bits == 32) {
     check_float32(a, what);
-  } else if (a.dtype() != mx::uint32 || m[1].ndim() != 2 || m[2].shape() != m[1].shape() ||
+  } else if (a.dtype() != mx::uint32 || m[1].ndim() != a.ndim() || m[2].shape() != m[1].shape() ||
              m[2].dtype() != m[1].dtype() ||
              !(m[1].dtype() == mx::float32 || m[1].dtype() == mx::float16 ||
                m[1].dtype() == mx::bfloat16)) {
     throw refused(what, ": uint32 weights, and scales and biases of one type and shape");
   }
-  if (a.ndim() != 2 || (N >= 0 && a.shape(0) != N) || cols(a, w) != K ||
-      (w.bits != 32 && (K % w.group || m[1].shape(0) != a.shape(0) ||
-                        m[1].shape(1) != K / w.group))) {
+  if (!(a.ndim() == 2 || packed_layout(m, w)) || (N >= 0 && matrix_rows(a) != N) ||
+      cols(a, w) != K ||
+      (w.bits != 32 && a.ndim() == 2 &&
+       (K % w.group || m[1].shape(0) != a.shape(0) || m[1].shape(1) != K / w.group))) {
     throw refused(what, " of the wrong shape");
   }
-  return a.shape(0);
+  return matrix_rows(a);
 }
 
 static void append(std::vector<mx::array>& inputs, const std::vector<mx::array>& m) {

@@ -179,7 +179,8 @@ class SmallLinear : public mx::UnaryPrimitive {
       return;
     }
     QProduct q{inputs[1].data<uint8_t>(), inputs[2].data<void>(), inputs[3].data<void>(),
-               scale_type(inputs[2].dtype()), nullptr, y, M, N, K, bits_, group_size_};
+               scale_type(inputs[2].dtype()), nullptr, y, M, N, K, bits_, group_size_,
+               inputs[1].ndim() == 3};
     encoder.dispatch([x = inputs[0], q, int8 = int8_ && int8_isa() != nullptr]() mutable {
       std::vector<float> scratch;
       q.x = rows_of(x, scratch);
@@ -197,7 +198,7 @@ class SmallLinear : public mx::UnaryPrimitive {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
+    shape.back() = matrix_rows(inputs[1]);
     return {shape};
   }
 
@@ -227,6 +228,22 @@ mx::array linear(const mx::array& x, const mx::array& w) {
       shape, mx::float32, std::make_shared<SmallLinear>(cpu_stream(), 32, 0), {x, w});
 }
 
+// qlinear for 4-bit weights repacked at load (cpu_q4packed.cpp): int8 products only.
+mx::array packed_qlinear(const mx::array& x, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits, bool int8) {
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || bits != 4 || group_size != 64 ||
+      !int8 || !q4_packs() || w.shape(2) != 128 || x.shape(-1) != w.shape(1) * 64 ||
+      scales.shape() != mx::Shape{w.shape(0), w.shape(1), 16} || biases.shape() != scales.shape() ||
+      biases.dtype() != scales.dtype()) {
+    throw std::invalid_argument("[macspec qlinear] repacked weights: 4-bit, groups of 64, int8");
+  }
+  auto shape = x.shape();
+  shape.back() = matrix_rows(w);
+  return mx::array(shape, mx::float32,
+                   std::make_shared<SmallLinear>(cpu_stream(), bits, group_size, int8),
+                   {x, w, scales, biases});
+}
+
 mx::array qlinear(
     const mx::array& x,
     const mx::array& w,
@@ -236,6 +253,9 @@ mx::array qlinear(
     int bits,
     bool int8) {
   int K = x.shape(-1);
+  if (w.ndim() == 3) {
+    return packed_qlinear(x, w, scales, biases, group_size, bits, int8);
+  }
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || w.ndim() != 2 ||
       (bits != 4 && bits != 8) ||
       (group_size != 32 && group_size != 64 && group_size != 128) || K % group_size ||
@@ -275,6 +295,7 @@ NB_MODULE(_macspec_cpu, m) {
       nb::arg("group_size"),
       nb::arg("bits"),
       nb::arg("int8") = false);
+  m.def("q4_packs", &macspec::q4_packs);  // whether qlinear takes 4-bit weights repacked
   m.def("int8_isa", []() -> nb::object {  // the int8 products' instructions, or None
     const char* isa = macspec::int8_isa();
     return isa ? nb::object(nb::str(isa)) : nb::none();

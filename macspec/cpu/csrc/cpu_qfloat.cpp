@@ -172,6 +172,11 @@ static void prepare_x(const QProduct& p, std::vector<float>& xq, std::vector<flo
 }
 
 void q_float_products(const QProduct* ps, int count) {
+  for (int j = 0; j < count; j++) {
+    if (ps[j].packed) {
+      throw std::invalid_argument("[macspec products] repacked weights take int8 products only");
+    }
+  }
   if (count < 1 || count > MAX_JOINED) {
     throw std::invalid_argument("[macspec products] 1 to 4 quantized products in one job");
   }

@@ -11,6 +11,7 @@
 // float steps are the same whatever M, the threads or the instruction set. A pass of up to 8
 // rows by 4-bit weights in groups of 64 runs cpu_q4rows.cpp's kernel (1-4 rows) or
 // cpu_q4wide.cpp's (5-8) instead with AVX-512 VNNI, and cpu_q4rows_avx2.cpp's (1-8) on AVX2.
+// 4-bit weights repacked at load (products.repack) run cpu_q4packed.cpp's at any number of rows.
 
 #include <algorithm>
 #include <cmath>
@@ -290,6 +291,10 @@ void q8_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
 
 template <ScaleType T>
 void q8_chunk_bits(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  if (p.packed) {
+    q4_packed_chunk<T>(p, xq, n0, n1);
+    return;
+  }
   if constexpr (Q4_ROWS) {  // (xq.rows is empty on a build without row kernels)
     if (!xq.rows.empty()) {
       q4_rows_chunk<T>(p, xq, n0, n1);

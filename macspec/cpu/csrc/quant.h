@@ -25,6 +25,7 @@ struct QProduct {
   const float* x;
   float* y;
   int M, N, K, bits, group;
+  bool packed = false;  // 4-bit weights repacked at load (cpu_q4packed.cpp; int8 products only)
 };
 
 // Float activations: each row's result summed in the same order whatever M.
@@ -34,6 +35,9 @@ void q_float_products(const QProduct* products, int count);
 // whatever M and the threads. Each row is quantized per weight group: d = max|x| / 127 and
 // q = x * (127 / max|x|) rounded to nearest even. Only where int8_isa() is not null.
 void q_int8_products(const QProduct* products, int count);
+
+// Whether this build takes 4-bit weights repacked (AVX-512 VNNI; cpu_q4packed.cpp).
+bool q4_packs();
 
 // Up to 4 products in one job of the thread pool (the threads wait for each other once), each
 // computed as alone; products of the same x share its preparation.

@@ -1,0 +1,98 @@
+"""4-bit weights repacked at load for the int8 products (products.repack, csrc/cpu_q4packed.cpp):
+the same bits as MLX's layout at every number of rows, and MLX's layout back wherever anything
+else reads the weights."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from test_products_int8 import _q8, _weights, reference
+
+from macspec.cpu import kernels, native, products
+
+ext = native.load()
+pytestmark = pytest.mark.skipif(
+    ext is None or not ext.q4_packs(), reason="this build repacks nothing (no AVX-512 VNNI)"
+)
+
+
+class Stack(nn.Module):
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        self.layers = list(layers)
+
+
+def _layer(n: int, k: int, dtype, seed: int) -> nn.QuantizedLinear:
+    layer = nn.QuantizedLinear(k, n, bias=False, group_size=64, bits=4)
+    layer.weight, layer.scales, layer.biases = _weights(n, k, 64, 4, dtype, seed=seed)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_repacked_weights_give_mlx_layouts_bits_at_every_number_of_rows(dtype):
+    layer = _layer(48, 320, dtype, seed=8)  # 3 blocks of 16 rows, 5 groups
+    flat = (layer.weight, layer.scales, layer.biases)
+    x = mx.random.normal((20, 320), key=mx.random.key(9))
+    want = _q8(x, flat, 64, 4)
+    np.testing.assert_array_equal(want[:5], reference(x[:5], *flat, 64, 4))
+    products.pack(layer)
+    assert layer.weight.shape == (3, 5, 128) and layer.scales.shape == (3, 5, 16)
+    packed = (layer.weight, layer.scales, layer.biases)
+    for rows in [*range(1, 17), 20]:  # past 8 rows the kernel takes x 8 rows at a time
+        np.testing.assert_array_equal(_q8(x[:rows], packed, 64, 4), want[:rows])
+    products.unpack(layer)
+    for before, after in zip(flat, (layer.weight, layer.scales, layer.biases), strict=True):
+        assert after.shape == before.shape and after.dtype == before.dtype
+        assert mx.array_equal(after, before).item()
+
+
+def test_a_repacked_layer_unpacks_for_mlx_and_for_float_activations(monkeypatch):
+    stack = Stack(_layer(32, 128, mx.bfloat16, seed=10))
+    kernels.switch_products(stack)
+    layer = stack.layers[0]
+    x = mx.random.normal((1, 2, 128), key=mx.random.key(11))
+    stock = np.array(nn.QuantizedLinear.__call__(layer, x))
+    native_int8 = np.array(layer(x))
+    assert products.repack(stack) == 1 and products.repacked(layer)
+    np.testing.assert_array_equal(np.array(layer(x)), native_int8)
+    monkeypatch.setattr(products, "int8_activations", False)  # float products read MLX's layout
+    floats = np.array(layer(x))
+    assert not products.repacked(layer)
+    np.testing.assert_array_equal(
+        floats, np.array(ext.qlinear(x, layer.weight, layer.scales, layer.biases, 64, 4))
+    )
+    monkeypatch.setattr(products, "int8_activations", True)
+    products.pack(layer)
+    products.set_enabled(False)
+    try:
+        np.testing.assert_array_equal(np.array(layer(x)), stock)  # mlx's own product
+    finally:
+        products.set_enabled(True)
+    assert not products.repacked(layer)
+
+
+def test_the_stock_models_read_mlx_layout_and_get_theirs_back():
+    stack = Stack(_layer(32, 128, mx.float16, seed=12))
+    kernels.switch_products(stack)
+    layer = stack.layers[0]
+    x = mx.random.normal((1, 1, 128), key=mx.random.key(13))
+    want = np.array(nn.QuantizedLinear.__call__(layer, x))
+    products.repack(stack)
+    with kernels.stock(stack):
+        assert not products.repacked(layer)
+        np.testing.assert_array_equal(np.array(layer(x)), want)
+    assert products.repacked(layer)
+
+
+def test_nothing_is_repacked_but_4bit_groups_of_64_in_blocks_of_16_rows():
+    stack = Stack(
+        _layer(40, 128, mx.float32, seed=14),  # 40 rows: not whole blocks
+        nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=4),
+        nn.QuantizedLinear(128, 32, bias=False, group_size=64, bits=8),
+        _layer(32, 128, mx.float32, seed=15),
+    )
+    kernels.switch_products(stack)
+    assert products.repack(stack) == 1
+    assert [products.repacked(m) for m in stack.layers] == [False, False, False, True]
