@@ -302,6 +302,29 @@ def test_the_long_measurement_is_kept_for_the_next_load(
     assert prefilled.count(512) == 6 and not kept.exists()
 
 
+def test_costs_kept_under_other_cpu_kernels_are_measured_again(
+    roomy_pair, prefilled, monkeypatch, tmp_path
+):
+    from macspec import kept_costs as cal
+    from macspec.core import hooks
+    from macspec.cpu import native, products
+
+    if hooks.installed().name != "cpu":
+        pytest.skip("the CPU package is not installed")
+    monkeypatch.setenv("MACSPEC_HOME", str(tmp_path))
+    monkeypatch.setenv("MACSPEC_KEEP_COSTS", "1")
+    monkeypatch.setattr(cal, "KEEP_SPREAD", 100.0)
+    calibrate(roomy_pair)
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 1
+    monkeypatch.setattr(native, "build", "another build of the kernels")
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 2
+    monkeypatch.setattr(products, "repack_weights", not products.repack_weights)
+    calibrate(roomy_pair)
+    assert prefilled.count(512) == 3
+
+
 def test_a_short_context_pair_is_measured_once(pair):
     assert pair.context_length == 256  # no room for a long prompt
     assert calibrate(pair).later is None

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
-from . import blocks, kernels, products, rows, sample
+from . import blocks, kernels, native, products, rows, sample
 
 
 @contextmanager
@@ -50,6 +50,10 @@ def setup() -> dict:
         "native_layers": kernels.native_layers() is not None,
         "native_blocks": blocks.enabled(),
         "native_products": products.active(),
+        # Kernels changed, or how quantized weights run: costs measured before do not hold.
+        "native_build": native.build,
+        "int8_activations": products.int8_activations,
+        "repack": products.repack_weights,
     }
 
 

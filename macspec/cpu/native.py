@@ -53,6 +53,7 @@ MODULE = "_macspec_cpu"
 _module: ModuleType | None = None
 _tried = False
 reason: str | None = None  # why the extension is not in use, when it is not
+build: str | None = None  # the loaded build's key: its sources, compiler and CPU (kept costs)
 
 
 def _compiler() -> str | None:
@@ -223,7 +224,9 @@ def _built(cxx: str, threads: int | None) -> ModuleType:
     """The extension for this machine, built first if it is not in the cache, self-tested."""
     arch = switches.NATIVE_ARCH.value()
     name = MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or "")
-    path = native_dir() / _key(cxx, arch) / name
+    global build
+    build = _key(cxx, arch)
+    path = native_dir() / build / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         progress(log, "building its CPU kernels for this machine (once)")
