@@ -117,7 +117,11 @@ def native_products() -> str:
     if not products.enabled():
         off = f"{switches.NATIVE_PRODUCTS} is off"
         return f"off: {off}; mlx's own products (BLAS, scalar quantized)"
-    return f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to {products.MAX_ROWS} rows)"
+    repacked = products.int8_activations and products.repack_weights and ext.q4_packs()
+    return (
+        f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to {products.MAX_ROWS} rows"
+        + ("; 4-bit weights in groups of 64 repacked at load)" if repacked else ")")
+    )
 
 
 def advice(report: dict[str, Any]) -> list[str]:
@@ -150,10 +154,16 @@ def advice(report: dict[str, Any]) -> list[str]:
         )
     if report["rows8_over_rows1"] > 4:
         notes.append("an 8-row product costs >4x a 1-row one: speculation cannot pay off here.")
-    if not notes and str(report.get("native_products", "")).startswith("in use"):
+    in_use = str(report.get("native_products", ""))
+    if not notes and in_use.startswith("in use"):
         notes.append(
             "fine: with macspec's native products a 4-bit or 8-bit target steps faster than "
-            "float32 (fewer bytes to read), though its passes grow faster with the rows verified."
+            "float32 (fewer bytes to read)"
+            + (
+                "; its 4-bit layers are repacked: passes grow slowly with the rows verified."
+                if "repacked" in in_use
+                else ", though its passes grow faster with the rows verified."
+            )
         )
     if not notes:
         notes.append("fine: float32 targets with the optimized BLAS are the fast choice here.")
