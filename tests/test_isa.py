@@ -18,7 +18,10 @@ ARCHES = {
     "x86-64-v3": ({"avx2", "fma", "bmi2", "f16c"}, "avx2"),
     "x86-64-v4": ({"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, "avx512bw"),
 }
-TESTS = ["tests/test_products_int8.py", "tests/test_layer_ops.py", "tests/test_blocks_quantized.py"]
+TESTS = [
+    *("tests/test_products_int8.py", "tests/test_layer_ops.py", "tests/test_blocks_quantized.py"),
+    "tests/test_repack.py",
+]
 
 
 def _flags() -> set[str]:

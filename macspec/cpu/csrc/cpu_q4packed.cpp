@@ -1,4 +1,4 @@
-// 4-bit weights in groups of 64 repacked once, at load, for the int8 products (AVX-512 VNNI):
+// 4-bit weights in groups of 64 repacked once, at load, for the int8 products (AVX-512 VNNI, AVX2):
 // each 16-row block's words transposed ahead of time, so that a vector holds one word (8 weights)
 // of each of its 16 rows, as q8_chunk's and cpu_q4wide.cpp's transposes make them on the fly in
 // every pass; and its scales and biases 16 rows to a group, as their scale tables do. A pass then
@@ -93,7 +93,105 @@ bool q4_packs() {
   return true;
 }
 
-#else  // no AVX-512 VNNI: nothing is repacked (q4_packs), and a repacked product is refused
+#elif !(defined(__AVX512F__) && defined(__AVX512BW__))  // AVX2: rows 0-7 and 8-15 a register each
+
+namespace {
+
+constexpr int AHEAD = 4;  // groups prefetched ahead
+constexpr int MSUPER = 16;  // rows of x whose float sums are kept at a time
+
+// Group g's integer sums of the block's 16 rows for rows m..m+MR of x (MR <= 2: 16 registers), as
+// (rows 0-7, rows 8-15). Per word a lane's bytes give vpmaddubsw pairs of at most 2 * 15 * 127 =
+// 3,810 (low nibbles) plus as much (high): 16-bit sums over 4 words stay within 30,480, and are
+// widened then. Exact integers, as vpdpbusd's.
+template <int MR>
+inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc)[2]) {
+  const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MR; m++) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  }
+  for (int c4 = 0; c4 < 8; c4 += 4) {
+    __m256i s[MR][2];
+    for (int m = 0; m < MR; m++) {
+      s[m][0] = s[m][1] = _mm256_setzero_si256();
+    }
+    for (int c = c4; c < c4 + 4; c++) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16 + 8 * h));
+        lo[h] = _mm256_and_si256(v, m15);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+      }
+      for (int m = 0; m < MR; m++) {
+        const __m256i xl = _mm256_set1_epi32(x[2 * c * M + m]);
+        const __m256i xh = _mm256_set1_epi32(x[(2 * c + 1) * M + m]);
+        for (int h = 0; h < 2; h++) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                             _mm256_maddubs_epi16(hi[h], xh));
+          s[m][h] = _mm256_add_epi16(s[m][h], p);
+        }
+      }
+    }
+    for (int m = 0; m < MR; m++) {
+      for (int h = 0; h < 2; h++) {
+        acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(s[m][h], ones));
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + mc) (mc <= MSUPER) of y's block b for x's rows of the same numbers.
+template <ScaleType T>
+void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) {
+  using E = scale_elem<T>;
+  const int groups = p.K / 64, M = xq.M;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * 128;
+  const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
+  const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
+  alignas(32) float facc[MSUPER * 16] = {};
+  for (int g = 0; g < groups; g++, w += 128) {
+    for (int l = 0; l < 8; l++) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * 128 + 16 * l), _MM_HINT_T0);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(s + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(bs + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
+    const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
+    const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
+    for (int m = 0; m < mc; m += 2) {
+      __m256i acc[2][2];
+      if (mc - m >= 2) {
+        group_rows<2>(w, x + m, M, acc);
+      } else {
+        group_rows<1>(w, x + m, M, acc);
+      }
+      for (int r = 0; r < std::min(2, mc - m); r++) {
+        const size_t i = (size_t)g * M + m0 + m + r;
+        float* f = facc + (m + r) * 16;
+        storef(f, accumulate(loadf(f), {acc[r][0], acc[r][1]}, scale, xq.d[i], bias, xq.ds[i]));
+      }
+    }
+  }
+  for (int m = 0; m < mc; m++) {
+    std::copy(facc + m * 16, facc + m * 16 + 16, p.y + (size_t)(m0 + m) * p.N + 16 * b);
+  }
+}
+
+}  // namespace
+
+template <ScaleType T>
+void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  for (int b = n0 / 16; b < n1 / 16; b++) {
+    for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
+      block_rows<T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
+    }
+  }
+}
+
+bool q4_packs() {
+  return true;
+}
+
+#else  // AVX-512 without VNNI: nothing is repacked (q4_packs), and a repacked product is refused
 
 template <ScaleType T>
 void q4_packed_chunk(const QProduct&, const QuantizedX&, int, int) {
