@@ -205,7 +205,8 @@ template void q4_rows_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX&,
 #endif  // (AVX2 without AVX-512: cpu_q4rows_avx2.cpp; AVX-512 without VNNI: q8_chunk for all)
 
 bool q4_rows_run(const QProduct& p) {
-  return Q4_ROWS && !p.packed && p.bits == 4 && p.group == 64 && p.K % 128 == 0 && p.M <= Q4_ROWS_MAX;
+  return Q4_ROWS && !p.packed && p.bits == 4 && p.group == 64 && p.K % 128 == 0 &&
+         p.M <= Q4_ROWS_MAX;
 }
 
 // Per pair of groups and row of x, 32 dwords: the 16 of the columns the weights' low nibbles
