@@ -300,6 +300,12 @@ inline int matrix_cols(const mx::array& w, int bits) {
   return w.ndim() == 3 ? w.shape(1) * 64 : bits == 32 ? w.shape(1) : w.shape(1) * 32 / bits;
 }
 
+// Weights and scales (or biases) in the shapes cpu_q4packed.cpp's repacking gives them.
+inline bool packed_shapes(const mx::array& w, const mx::array& scales) {
+  return w.ndim() == 3 && w.shape(2) == 128 &&
+         scales.shape() == mx::Shape{w.shape(0), w.shape(1), 16};
+}
+
 // The stream every macspec primitive runs on.
 inline mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device(mx::Device::cpu));

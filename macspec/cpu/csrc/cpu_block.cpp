@@ -288,10 +288,7 @@ static Mats layout(int bits, int group_size, bool int8) {
 // Weights, scales and biases repacked at load (cpu_q4packed.cpp), in the shapes it names, where
 // this build takes them.
 static bool packed_layout(const std::vector<mx::array>& m, const Mats& w) {
-  const mx::array& a = m[0];
-  return a.ndim() == 3 && w.bits == 4 && w.group == 64 && w.int8 && q4_packs() &&
-         a.shape(2) == 128 && m[1].ndim() == 3 && m[1].shape(0) == a.shape(0) &&
-         m[1].shape(1) == a.shape(1) && m[1].shape(2) == 16;
+  return w.bits == 4 && w.group == 64 && w.int8 && q4_packs() && packed_shapes(m[0], m[1]);
 }
 
 // A matrix of N (any where N < 0) rows and K columns, as `w` stores it; returns its rows.

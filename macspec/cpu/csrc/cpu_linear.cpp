@@ -232,9 +232,8 @@ mx::array linear(const mx::array& x, const mx::array& w) {
 mx::array packed_qlinear(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, bool int8) {
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || bits != 4 || group_size != 64 ||
-      !int8 || !q4_packs() || w.shape(2) != 128 || x.shape(-1) != w.shape(1) * 64 ||
-      scales.shape() != mx::Shape{w.shape(0), w.shape(1), 16} || biases.shape() != scales.shape() ||
-      biases.dtype() != scales.dtype()) {
+      !int8 || !q4_packs() || !packed_shapes(w, scales) || x.shape(-1) != w.shape(1) * 64 ||
+      biases.shape() != scales.shape() || biases.dtype() != scales.dtype()) {
     throw std::invalid_argument("[macspec qlinear] repacked weights: 4-bit, groups of 64, int8");
   }
   auto shape = x.shape();

@@ -20,12 +20,26 @@
 
 namespace macspec::q8 {
 
+namespace {
+
+// Into L1: the words of group g + 4 (its 8 lines, 2.3 KB ahead; further ahead measured slower),
+// and the scales and biases of group g + 16 (a line holds 2-4 groups' of them). `w`: group g's.
+template <typename E>
+inline void prefetch_ahead(const uint32_t* w, const E* s, const E* bs, int g) {
+  for (int l = 0; l < 8; l++) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + 4 * 128 + 16 * l), _MM_HINT_T0);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(s + (g + 16) * 16), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(bs + (g + 16) * 16), _MM_HINT_T0);
+}
+
+}  // namespace
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 
 namespace {
 
 constexpr int MR_MAX = 8;  // rows of x a pass over a block keeps sums for (the registers hold 8)
-constexpr int AHEAD = 4;  // groups prefetched ahead (2.3 KB; further ahead measured slower)
 
 // Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers.
 template <ScaleType T, int MR>
@@ -41,11 +55,7 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
     facc[m] = {_mm512_setzero_ps()};
   }
   for (int g = 0; g < groups; g++, w += 128) {
-    for (int l = 0; l < 8; l++) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * 128 + 16 * l), _MM_HINT_T0);
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(s + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bs + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
+    prefetch_ahead(w, s, bs, g);
     vi acc[MR][2 * CH];
     for (int m = 0; m < MR; m++) {
       for (int c = 0; c < 2 * CH; c++) {
@@ -89,15 +99,10 @@ void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-bool q4_packs() {
-  return true;
-}
-
 #elif !(defined(__AVX512F__) && defined(__AVX512BW__))  // AVX2: rows 0-7 and 8-15 a register each
 
 namespace {
 
-constexpr int AHEAD = 4;  // groups prefetched ahead
 constexpr int MSUPER = 16;  // rows of x whose float sums are kept at a time
 
 // Group g's integer sums of the block's 16 rows for rows m..m+MR of x (MR <= 2: 16 registers), as
@@ -150,11 +155,7 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) 
   const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
   alignas(32) float facc[MSUPER * 16] = {};
   for (int g = 0; g < groups; g++, w += 128) {
-    for (int l = 0; l < 8; l++) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + AHEAD * 128 + 16 * l), _MM_HINT_T0);
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(s + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(bs + (g + 4 * AHEAD) * 16), _MM_HINT_T0);
+    prefetch_ahead(w, s, bs, g);
     const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
     const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
     for (int m = 0; m < mc; m += 2) {
@@ -187,19 +188,11 @@ void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-bool q4_packs() {
-  return true;
-}
-
-#else  // AVX-512 without VNNI: nothing is repacked (q4_packs), and a repacked product is refused
+#else  // AVX-512 without VNNI: nothing is repacked (Q4_PACKED), and a repacked product is refused
 
 template <ScaleType T>
 void q4_packed_chunk(const QProduct&, const QuantizedX&, int, int) {
-  throw std::logic_error("[macspec products] repacked weights on a build without AVX-512 VNNI");
-}
-
-bool q4_packs() {
-  return false;
+  throw std::logic_error("[macspec products] repacked weights on an AVX-512 build without VNNI");
 }
 
 #endif
@@ -216,7 +209,7 @@ namespace macspec {
 
 bool q4_packs() {
 #if defined(MACSPEC_INT8)
-  return q8::q4_packs();
+  return q8::Q4_PACKED;
 #else
   return false;
 #endif

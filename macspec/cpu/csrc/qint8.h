@@ -98,12 +98,14 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq);
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
-// Rows [n0, n1) (multiples of 16) of y for a product of repacked weights (cpu_q4packed.cpp).
-bool q4_packs();
+// Rows [n0, n1) (multiples of 16) of y for a product of repacked weights (cpu_q4packed.cpp),
+// which the builds with row kernels take.
+constexpr bool Q4_PACKED = Q4_ROWS;
 template <ScaleType T>
 void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
-// The same for the 3-8 row kernel (cpu_q4wide.cpp; it runs 5-8 where the row kernels run), which reads x in q8_chunk's order.
+// The same for the 3-8 row kernel (cpu_q4wide.cpp; it runs 5-8 where the row kernels run),
+// which reads x in q8_chunk's order.
 bool q4_wide_run(const QProduct& p);
 template <ScaleType T>
 void q4_wide_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
