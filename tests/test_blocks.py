@@ -1,5 +1,6 @@
-"""The fused decoder layer (blocks.py, csrc/cpu_block.cpp): the same numbers as the layer run
-one native op at a time, bit for bit, and mlx-lm's to float rounding; the plain case only."""
+"""The fused decoder layer (blocks.py, csrc/cpu_block.cpp and cpu_attn_mlp.cpp): the same numbers
+as the layer run one native op at a time, bit for bit, and mlx-lm's to float rounding; the plain
+case only."""
 
 from __future__ import annotations
 

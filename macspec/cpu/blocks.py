@@ -4,9 +4,10 @@ With the native layer ops (kernels.py) a one-token SmolLM2 layer is still 17 MLX
 norm, three products, RoPE, the cache's update, attention, a product, an add, norm, two
 products, SwiGLU, a product, an add. Each one costs the Python thread an allocation and a
 hand-off to MLX's stream, and on a 2-core CPU that thread takes its core from the products'
-threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` runs the same kernels in the same
-order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last add), with the
-cache's update between them left to mlx-lm: the outputs are bit-identical to the single ops'.
+threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` and `cpu_attn_mlp.cpp` run the same
+kernels in the same order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last
+add), with the cache's update between them left to mlx-lm: the outputs are bit-identical to the
+single ops'.
 
 The weights are float32, or MLX's affine 4/8-bit layout as the native products take it, every
 product of the layer alike; each primitive's products of the same input (q/k/v, gate/up) are one

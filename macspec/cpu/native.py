@@ -40,13 +40,14 @@ SOURCES = (
     *(
         SOURCE_DIR / f"cpu_{n}.cpp"
         for n in (
-            *("layer", "attention", "block", "sample", "qfloat", "qint8"),
+            *("layer", "attention", "block", "attn_mlp", "sample", "qfloat", "qint8"),
             *("q4rows", "q4rows_avx2", "q4wide", "q4packed"),
         )
     ),
 )
 HEADERS = tuple(
-    SOURCE_DIR / f"{n}.h" for n in ("common", "layer", "linear", "vec16", "quant", "qdot", "qint8")
+    SOURCE_DIR / f"{n}.h"
+    for n in ("common", "layer", "linear", "block", "vec16", "quant", "qdot", "qint8")
 )
 MODULE = "_macspec_cpu"
 

@@ -6,7 +6,7 @@ besides the layer's own ten, and on a 2-core CPU each op's hand-off to MLX's str
 part of a narrow pass. Here a llama/qwen2 layer (blocks.py's case) runs as (norm, q/k/v, RoPE)
 over the whole block, each id at its row's own position as a token tree's pass places its ids,
 then each row's cache update, then (each row's attention over its own cache, the output product,
-norm, MLP) over the block: csrc/cpu_block.cpp's RowsAttnMlp. The causal attention computes every
+norm, MLP) over the block: csrc/cpu_attn_mlp.cpp's RowsAttnMlp. The causal attention computes every
 query row alone (cpu_attention.cpp), so a row's real ids get the bits they get alone, its
 padding after them; the products compute every row alone too.
 """

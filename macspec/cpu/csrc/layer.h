@@ -88,8 +88,8 @@ inline mx::cpu::CommandEncoder& start(
   return encoder;
 }
 
-// The layer kernels, for their primitives and the fused block (cpu_block.cpp); rows are
-// row-contiguous. cpu_layer.cpp:
+// The layer kernels, for their primitives and the fused block (cpu_block.cpp, cpu_attn_mlp.cpp);
+// rows are row-contiguous. cpu_layer.cpp:
 void norm_rows(const float* x, const float* w, float* y, int rows, int D, float eps);
 void swiglu_n(const float* g, const float* u, float* y, size_t n);
 void rope_rows(const float* q, const float* k, const float* v, const float* cos, const float* sin,

@@ -1,6 +1,6 @@
 // The float32 few-row products (cpu_linear.cpp) as a function, for the fused decoder block
-// (cpu_block.cpp): several products share one job of the thread pool. The quantized ones are in
-// quant.h.
+// (cpu_block.cpp, cpu_attn_mlp.cpp): several products share one job of the thread pool. The
+// quantized ones are in quant.h.
 #pragma once
 
 #include <stdexcept>
