@@ -154,48 +154,18 @@ void scale_bias_tile(const QProduct& p, const size_t* srow, int groups, int g0, 
   }
 }
 
-// Rows [n0, n1) of y for MR rows of x.
-template <ScaleType T, int MR>
-void rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  const int groups = p.K / 64;
-  const size_t row_bytes = (size_t)p.K / 2;
-  alignas(64) float scale[16 * 16], bias[16 * 16];
-  std::vector<uint8_t> pad;
-  for (int nb = n0; nb < n1; nb += 16) {
-    const int rows = std::min(16, n1 - nb);
-    size_t srow[16];  // the scales' rows
-    const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
-    const size_t next = rows == 16 ? 16 * row_bytes : 0;  // no block after a short one
-    vf f[MR];
-    for (int m = 0; m < MR; m++) {
-      f[m] = vf{_mm512_setzero_ps()};
-    }
-    for (int g = 0; g < groups; g += 2) {
-      if (g % 16 == 0) {
-        if constexpr (T == ScaleType::f32) {
-          scale_tile<T>(p.scales, srow, groups, g, scale);
-          scale_tile<T>(p.biases, srow, groups, g, bias);
-        } else {
-          scale_bias_tile<T>(p, srow, groups, g, scale, bias);
-        }
-      }
-      const Pair pair{xq.rows.data() + (size_t)g * 16 * MR, scale + g % 16 * 16,
-                      bias + g % 16 * 16, g};
-      row_pass<MR>(k, (size_t)g * 32, next, pair, xq, f);
-    }
-    for (int m = 0; m < MR; m++) {
-      alignas(64) float out[16];
-      storef(out, f[m]);
-      std::copy(out, out + rows, p.y + (size_t)m * p.N + nb);
-    }
-  }
-}
-
 }  // namespace
 
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  with_rows<Q4_ROWS_MAX>(p.M, [&]<int MR>() { rows_chunk<T, MR>(p, xq, n0, n1); });
+  // (generic, so that only 16-bit scales instantiate scale_bias_tile)
+  const auto tiles = [&](auto... tile) { scale_bias_tile<T>(p, tile...); };
+  const auto pass = [&]<int MR>(const Block& k, int g, size_t next, const float* scale,
+                                const float* bias, vf* f) {  // groups g and g + 1
+    const Pair pair{xq.rows.data() + (size_t)g * 16 * MR, scale, bias, g};
+    row_pass<MR>(k, (size_t)g * 32, next, pair, xq, f);
+  };
+  q4_rows_blocks<T, 2>(p, n0, n1, tiles, pass);
 }
 
 template void q4_rows_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);

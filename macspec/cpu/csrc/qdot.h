@@ -54,6 +54,9 @@ struct vf {
 static inline vi zero() {
   return {_mm512_setzero_si512()};
 }
+static inline vf zerof() {
+  return {_mm512_setzero_ps()};
+}
 static inline vi load(const uint32_t* p) {  // 64-byte aligned
   return {_mm512_load_si512(p)};
 }
@@ -219,6 +222,9 @@ struct vf {
 
 static inline vi zero() {
   return {_mm256_setzero_si256(), _mm256_setzero_si256()};
+}
+static inline vf zerof() {
+  return {_mm256_setzero_ps(), _mm256_setzero_ps()};
 }
 static inline vi load(const uint32_t* p) {
   return {_mm256_load_si256((const __m256i*)p), _mm256_load_si256((const __m256i*)(p + 8))};

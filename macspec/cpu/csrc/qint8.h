@@ -98,6 +98,48 @@ void q4_rows_prepare(const QProduct& p, QuantizedX& xq);
 template <ScaleType T>
 void q4_rows_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
+// The row kernels' loop (q4_rows_chunk's, in cpu_q4rows.cpp or cpu_q4rows_avx2.cpp) over rows
+// [n0, n1) of y for the MR == p.M rows of x: a 16-row block (block_at's Block k) at a time, its
+// sums f[MR] (weight row r in lane r) from pass.template operator()<MR>(k, g, next, scale, bias, f)
+// for every STEP-th group g, with the group's 16 lanes of the tables of scales and biases (filled
+// every 16 groups: scale_tile's, or for 16-bit scales tiles(srow, groups, g, scale, bias), the
+// kernel's one transpose for both) and `next`, the next block's distance (0 after a short one).
+template <ScaleType T, int STEP, typename Tiles, typename Pass>
+void q4_rows_blocks(const QProduct& p, int n0, int n1, Tiles&& tiles, Pass&& pass) {
+  with_rows<Q4_ROWS_MAX>(p.M, [&]<int MR>() {
+    const int groups = p.K / 64;
+    const size_t row_bytes = (size_t)p.K / 2;
+    alignas(64) float scale[16 * 16], bias[16 * 16];
+    std::vector<uint8_t> pad;
+    for (int nb = n0; nb < n1; nb += 16) {
+      const int rows = std::min(16, n1 - nb);
+      size_t srow[16];  // the scales' rows
+      const Block k = block_at(p, nb, rows, row_bytes, srow, pad);
+      const size_t next = rows == 16 ? 16 * row_bytes : 0;  // no block after a short one
+      vf f[MR];
+      for (int m = 0; m < MR; m++) {
+        f[m] = zerof();
+      }
+      for (int g = 0; g < groups; g += STEP) {
+        if (g % 16 == 0) {
+          if constexpr (T == ScaleType::f32) {
+            scale_tile<T>(p.scales, srow, groups, g, scale);
+            scale_tile<T>(p.biases, srow, groups, g, bias);
+          } else {
+            tiles(srow, groups, g, scale, bias);
+          }
+        }
+        pass.template operator()<MR>(k, g, next, scale + g % 16 * 16, bias + g % 16 * 16, f);
+      }
+      for (int m = 0; m < MR; m++) {
+        alignas(64) float out[16];
+        storef(out, f[m]);
+        std::copy(out, out + rows, p.y + (size_t)m * p.N + nb);
+      }
+    }
+  });
+}
+
 // Rows [n0, n1) (multiples of 16) of y for a product of repacked weights (cpu_q4packed.cpp),
 // which the builds with row kernels take.
 constexpr bool Q4_PACKED = Q4_ROWS;
