@@ -7,6 +7,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.policies import Proposes
 from support.tinymodels import make_tiny_model
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
 
@@ -65,29 +66,8 @@ def test_a_launched_pass_asks_the_copy_to_pay_for_its_own_pass():
     assert _at(policy, 2, 0.95).pick((None, 2), launched=True) == 2
 
 
-class Proposes:
-    """An inner policy that always proposes k and picks the first label offered."""
-
-    max_k = 2
-
-    def next_k(self, label=None, launched=False, position=0):
-        return 2
-
-    def pick(self, labels, launched=False, position=0):
-        return labels[0]
-
-    def observe(self, k, accepted):
-        pass
-
-    def observe_time(self, k, tokens, seconds):
-        pass
-
-    def expects_plain(self):
-        return False
-
-
 def test_a_label_whose_rounds_lose_here_gives_way_to_the_other_until_its_probe():
-    policy = Observed(Proposes())
+    policy = Observed(Proposes(2))
     policy.observe_time(0, 1, 1.0)  # a plain step: 1 s a token
     for _ in range(Observed.FIRST_LOOK):  # the model's rounds: 3 s for one token
         assert policy.next_k(policy.pick((None, 2))) == 2

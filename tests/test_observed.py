@@ -4,6 +4,7 @@ moves the output distribution. Round times are injected: no test here depends on
 
 import pytest
 from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.policies import Proposes
 from test_exactness import DEPTH, PROMPT, N, resample_from_p
 
 import macspec
@@ -11,25 +12,6 @@ import macspec.api as api
 import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
 from macspec.core.observed import Tally
-
-
-class Proposes:
-    """An inner policy that always proposes `k` (settable): the cost-priced choice stands in."""
-
-    def __init__(self, k: int):
-        self.k, self.max_k = k, k
-
-    def next_k(self, label=None, launched=False, position=0):
-        return self.k
-
-    def observe(self, k, accepted):
-        pass
-
-    def observe_time(self, k, tokens, seconds):
-        pass
-
-    def expects_plain(self):
-        return False
 
 
 def play(policy: Observed, rounds: int, seconds, tokens) -> list[int]:

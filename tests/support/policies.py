@@ -1,0 +1,25 @@
+"""A stand-in inner policy for observed.Observed (core/observed.py), whose own choices the tests
+inject round times into."""
+
+
+class Proposes:
+    """An inner policy that always proposes `k` (settable: the cost-priced choice stands in) and
+    picks the first label offered."""
+
+    def __init__(self, k: int):
+        self.k, self.max_k = k, k
+
+    def next_k(self, label=None, launched=False, position=0):
+        return self.k
+
+    def pick(self, labels, launched=False, position=0):
+        return labels[0]
+
+    def observe(self, k, accepted):
+        pass
+
+    def observe_time(self, k, tokens, seconds):
+        pass
+
+    def expects_plain(self):
+        return False
