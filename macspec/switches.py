@@ -133,8 +133,9 @@ NATIVE_ARCH = Switch(
     "choice",
     "native",
     "the instruction set the native CPU extension is built for (x86-64-v3: AVX2 and FMA, as "
-    "many AMD EPYC; x86-64-v4: AVX-512 without VNNI; native: this CPU's own)",
-    choices=("native", "x86-64-v3", "x86-64-v4"),
+    "many AMD EPYC; x86-64-v3-vnni: that and AVX-VNNI, as Intel client cores; x86-64-v4: "
+    "AVX-512 without VNNI; native: this CPU's own)",
+    choices=("native", "x86-64-v3", "x86-64-v3-vnni", "x86-64-v4"),
 )
 NATIVE_THREADS = Switch(
     "MACSPEC_NATIVE_THREADS",
