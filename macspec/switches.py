@@ -161,7 +161,7 @@ REPACK = Switch(
     "MACSPEC_REPACK",
     "flag",
     True,
-    "4-bit weights repacked at load for the int8 products (AVX-512 VNNI, AVX2; off: MLX's layout)",
+    "4-bit weights repacked at load for the int8 products (AVX-512, AVX2; off: MLX's layout)",
     at_import=True,
 )
 NATIVE_LAYERS = Switch(

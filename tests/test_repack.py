@@ -17,7 +17,7 @@ from macspec.cpu import kernels, native, products
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(
-    ext is None or not ext.q4_packs(), reason="this build repacks nothing (no AVX-512 VNNI)"
+    ext is None or not ext.q4_packs(), reason="this build repacks nothing (no int8 products)"
 )
 
 

@@ -117,7 +117,7 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 # ---------------------------------------------------------------- 4-bit weights repacked at load
 #
-# With AVX-512 VNNI or AVX2 the int8 products take 4-bit weights in groups of 64 repacked once: each
+# With AVX-512 or AVX2 the int8 products take 4-bit weights in groups of 64 repacked once: each
 # 16-row block's words transposed (weights (N / 16, K / 64, 128), scales and biases
 # (N / 16, K / 64, 16); csrc/cpu_q4packed.cpp), which the kernels otherwise do in every pass. The
 # arrays replace the module's own (no second copy); the same bits come out. Anything that would
