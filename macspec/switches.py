@@ -133,8 +133,9 @@ NATIVE_ARCH = Switch(
     "choice",
     "native",
     "the instruction set the native CPU extension is built for (x86-64-v3: AVX2 and FMA, as "
-    "many AMD EPYC; x86-64-v4: AVX-512 without VNNI; native: this CPU's own)",
-    choices=("native", "x86-64-v3", "x86-64-v4"),
+    "many AMD EPYC; x86-64-v3-vnni: that and AVX-VNNI, as Intel client cores; x86-64-v4: "
+    "AVX-512 without VNNI; native: this CPU's own)",
+    choices=("native", "x86-64-v3", "x86-64-v3-vnni", "x86-64-v4"),
 )
 NATIVE_THREADS = Switch(
     "MACSPEC_NATIVE_THREADS",
@@ -160,7 +161,7 @@ REPACK = Switch(
     "MACSPEC_REPACK",
     "flag",
     True,
-    "4-bit weights repacked at load for the int8 products (AVX-512 VNNI, AVX2; off: MLX's layout)",
+    "4-bit weights repacked at load for the int8 products (AVX-512, AVX2; off: MLX's layout)",
     at_import=True,
 )
 NATIVE_LAYERS = Switch(

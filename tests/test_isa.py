@@ -1,6 +1,7 @@
 """The native extension built for other x86 instruction sets than this CPU's best (slow set):
-the AVX2 paths many AMD EPYC machines take, and AVX-512 without VNNI. A CPU that has the
-features runs either build, so their exactness tests run here too (MACSPEC_NATIVE_ARCH)."""
+the AVX2 paths many AMD EPYC machines take (and Intel client cores, with AVX-VNNI), and AVX-512
+without VNNI. A CPU that has the features runs each build, so their exactness tests run here
+too (MACSPEC_NATIVE_ARCH)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # What each build needs of the CPU running it, and the int8 products' path it takes.
 ARCHES = {
     "x86-64-v3": ({"avx2", "fma", "bmi2", "f16c"}, "avx2"),
+    "x86-64-v3-vnni": ({"avx2", "fma", "bmi2", "f16c", "avx_vnni"}, "avx-vnni"),
     "x86-64-v4": ({"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, "avx512bw"),
 }
 TESTS = [

@@ -8,13 +8,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from support.tinymodels import llama_like
 from test_products_int8 import _q8, _weights, reference
 
+from macspec.core import hooks, target
+from macspec.core.drafters import pruned
 from macspec.cpu import kernels, native, products
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(
-    ext is None or not ext.q4_packs(), reason="this build repacks nothing (no AVX-512 VNNI)"
+    ext is None or not ext.q4_packs(), reason="this build repacks nothing (no int8 products)"
 )
 
 
@@ -96,3 +99,52 @@ def test_nothing_is_repacked_but_4bit_groups_of_64_in_blocks_of_16_rows():
     kernels.switch_products(stack)
     assert products.repack(stack) == 1
     assert [products.repacked(m) for m in stack.layers] == [False, False, False, True]
+
+
+def _tiny_pair(tie: bool, repack: bool, monkeypatch) -> nn.Module:
+    """A quantized llama whose every product, the output head included, is 4-bit in groups of 64,
+    switched as a loaded model is, repacked or not."""
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    model = llama_like(hidden_size=64, vocab_size=96, tie_word_embeddings=tie, **shape)
+    nn.quantize(model, group_size=64, bits=4)
+    monkeypatch.setattr(products, "repack_weights", repack)
+    kernels.accelerate(model)
+    return model
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_the_output_head_is_repacked_and_its_rows_and_lookups_stay_mlxs(tie, monkeypatch):
+    flat, packed = (_tiny_pair(tie, repack, monkeypatch) for repack in (False, True))
+    head, _ = target.head_module(packed)
+    assert products.repacked(head) and not products.repacked(target.head_module(flat)[0])
+    tokens = mx.array([[5, 9, 2, 40, 95, 0]])
+    np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
+    embed = (flat.model.embed_tokens, packed.model.embed_tokens)
+    np.testing.assert_array_equal(*(np.array(e(tokens)) for e in embed))
+    ids = pruned.frequent_ids(20, 96, keep=[93, 95])
+    for name in ("weight", "scales", "biases"):  # MLX's layout, whatever the head's own
+        np.testing.assert_array_equal(
+            *(
+                np.array(hooks.take_rows(target.head_module(m)[0], name, ids))
+                for m in (flat, packed)
+            )
+        )
+    hidden = target.hidden_states(flat, tokens[0], None)
+    np.testing.assert_array_equal(
+        *(np.array(pruned.PrunedHead(m, ids, 96)(hidden)) for m in (flat, packed))
+    )
+    with kernels.stock(packed, flat):  # mlx's own products, reading MLX's layout
+        assert not products.repacked(head)
+        np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
+    assert products.repacked(head)
+
+
+def test_a_repacked_head_unpacks_for_float_activations(monkeypatch):
+    model = _tiny_pair(True, True, monkeypatch)
+    head = model.model.embed_tokens
+    tokens = mx.array([[1, 2, 3]])
+    monkeypatch.setattr(products, "int8_activations", False)
+    floats = np.array(model(tokens))
+    assert not products.repacked(head)
+    monkeypatch.setattr(products, "repack_weights", False)
+    np.testing.assert_array_equal(np.array(_tiny_pair(True, False, monkeypatch)(tokens)), floats)

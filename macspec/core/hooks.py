@@ -43,6 +43,10 @@ def _no_positions(modules: list[nn.Module], positions: mx.array, end: int) -> It
     yield
 
 
+def _take_rows(module: nn.Module, name: str, ids: mx.array) -> mx.array:
+    return mx.take(module[name], ids, axis=0)
+
+
 def _unchanged(*args: Any) -> int:
     return 0
 
@@ -65,6 +69,8 @@ class Hooks:
     - inverse_cdf(probs, u): per row of float32 probabilities (rows, V), the first id whose
       running sum exceeds u (rows, 1) times the row's sum, never an id of probability 0;
     - matmul_t(x, w): x @ w.T for a float32 matrix held outside any layer (the EAGLE head's rows);
+    - take_rows(module, name, ids): rows `ids` of a layer's array `name` (weight, scales, biases,
+      bias) in mlx's layout, for an accelerator that holds a layer's weights in one of its own;
     - serial(): a context in which each forward pass is built whole before it is evaluated (a
       round times the drafts apart from the verification graph's build);
     - tree_positions(modules, positions, end): a context in which these attention modules rotate
@@ -86,6 +92,7 @@ class Hooks:
     argmax: Callable[[mx.array], mx.array] = _argmax
     inverse_cdf: Callable[[mx.array, mx.array], mx.array] = inverse_cdf_mlx
     matmul_t: Callable[[mx.array, mx.array], mx.array] = _matmul_t
+    take_rows: Callable[[nn.Module, str, mx.array], mx.array] = _take_rows
     serial: Callable[[], AbstractContextManager] = nullcontext
     tree_positions: Callable[[list, mx.array, int], AbstractContextManager] = _no_positions
     accelerate_model: Callable[[nn.Module], int] = _unchanged
@@ -123,6 +130,10 @@ def inverse_cdf(probs: mx.array, u: mx.array) -> mx.array:
 
 def matmul_t(x: mx.array, w: mx.array) -> mx.array:
     return _installed.matmul_t(x, w)
+
+
+def take_rows(module: nn.Module, name: str, ids: mx.array) -> mx.array:
+    return _installed.take_rows(module, name, ids)
 
 
 def serial() -> AbstractContextManager:

@@ -167,6 +167,15 @@ def hidden_size(model: nn.Module) -> int:
     return language_model(model).args.hidden_size
 
 
+def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
+    """The module that gives a model's logits (as output_head), and whether it is the tied
+    input embedding."""
+    lm = language_model(model)
+    if getattr(lm, "lm_head", None) is not None:
+        return lm.lm_head, False
+    return lm.model.embed_tokens, True
+
+
 def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
     """Logits from hidden states: the untied lm_head, or the tied input embedding."""
     model = language_model(model)

@@ -63,6 +63,7 @@ HOOKS = hooks.Hooks(
     argmax=sample.argmax,
     inverse_cdf=sample.inverse_cdf,
     matmul_t=products.matmul_t,
+    take_rows=products.take_rows,
     serial=kernels.serial,
     tree_positions=tree_positions,
     accelerate_model=kernels.accelerate,

@@ -486,7 +486,7 @@ def stock(*models: nn.Module | None) -> Iterator[None]:
         for _, m in model.named_modules()
         if "_macspec_stock" in type(m).__dict__
     ]
-    repacked = [m for m in switched if isinstance(m, nn.QuantizedLinear) and products.repacked(m)]
+    repacked = [m for m in switched if products.repacked(m)]
     for m in switched:
         m.__class__ = type(m)._macspec_stock
     for m in repacked:

@@ -104,6 +104,13 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _arch_flags(arch: str) -> tuple[str, ...]:
+    """-march for a switches.NATIVE_ARCH choice; x86-64-v3-vnni is no GCC level of its own."""
+    if arch == "x86-64-v3-vnni":
+        return ("-march=x86-64-v3", "-mavxvnni")
+    return (f"-march={arch}",)
+
+
 def _build(cxx: str, out: Path, arch: str) -> None:
     p = _paths()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -128,7 +135,7 @@ def _build(cxx: str, out: Path, arch: str) -> None:
                 [
                     cxx,
                     "-std=c++20",
-                    f"-march={arch}",
+                    *_arch_flags(arch),
                     *common,
                     "-DNB_DOMAIN=mlx",  # mlx's own bindings' domain: mx.array passes through
                     f"-I{p['mlx_include']}",

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .. import switches
+from ..core import target
 from . import native
 
 # Float32 products up to this many rows go to the extension (a verification pass of up to 15
@@ -116,7 +117,7 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 # ---------------------------------------------------------------- 4-bit weights repacked at load
 #
-# With AVX-512 VNNI or AVX2 the int8 products take 4-bit weights in groups of 64 repacked once: each
+# With AVX-512 or AVX2 the int8 products take 4-bit weights in groups of 64 repacked once: each
 # 16-row block's words transposed (weights (N / 16, K / 64, 128), scales and biases
 # (N / 16, K / 64, 16); csrc/cpu_q4packed.cpp), which the kernels otherwise do in every pass. The
 # arrays replace the module's own (no second copy); the same bits come out. Anything that would
@@ -125,7 +126,7 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 
 
 def repacked(m: nn.Module) -> bool:
-    return m.weight.ndim == 3
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.weight.ndim == 3
 
 
 def packable(m: nn.Module) -> bool:
@@ -137,7 +138,7 @@ def packable(m: nn.Module) -> bool:
         and int8_activations
         and repack_weights
         and ext.q4_packs()
-        and isinstance(m, nn.QuantizedLinear)
+        and isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and quantized_ok(m)
         and m.bits == 4
         and m.group_size == 64
@@ -177,14 +178,50 @@ def unpack(m: nn.Module) -> None:
 
 
 def repack(model: nn.Module) -> int:
-    """Repack every 4-bit product of `model`'s layers that this build takes so; the output head
-    stays in MLX's layout (a draft's pruned head takes its rows). Returns how many."""
+    """Repack every 4-bit product of `model`'s layers, and its output head (tied or not), that
+    this build takes so. Returns how many."""
     done = 0
     for name, m in model.named_modules():
         if ".layers." in f".{name}." and packable(m):
             pack(m)
             done += 1
+    head = _head(model)
+    if head is not None and packable(head):
+        pack(head)
+        done += 1
     return done
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    try:
+        return target.head_module(model)[0]
+    except AttributeError:  # not an mlx-lm language model (a drafter's own module)
+        return None
+
+
+def take_rows(m: nn.Module, name: str, ids: mx.array) -> mx.array:
+    """hooks.take_rows: rows `ids` of `m`'s array `name` in MLX's layout, gathered from the
+    repacked one where `m` is repacked (a pruned draft head's rows, an embedding's lookups)."""
+    a = m[name]
+    if not (repacked(m) and name in ("weight", "scales", "biases")):
+        return mx.take(a, ids, axis=0)
+    # Weights [b][g][c * 16 + r] = W[16b + r][8g + c]; scales, biases [b][g][r] = S[16b + r][g].
+    _, groups, width = a.shape
+    words = width // 16  # 8 words a group of weights, 1 scale
+    ids = ids.astype(mx.uint32)
+    start = (ids // 16) * (groups * width) + ids % 16
+    within = (mx.arange(groups)[:, None] * width + mx.arange(words)[None] * 16).reshape(-1)
+    return mx.take(a.reshape(-1), start[..., None] + within.astype(mx.uint32))
+
+
+def quantized_embedding_call(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
+    """An embedding's lookup, as mlx's, from repacked weights as well (a tied head's)."""
+    if not repacked(self):
+        return type(self)._macspec_stock.__call__(self, x)
+    w, s, b = (take_rows(self, name, x) for name in ("weight", "scales", "biases"))
+    return mx.dequantize(
+        w, scales=s, biases=b, group_size=self.group_size, bits=self.bits, mode=self.mode
+    )
 
 
 def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
@@ -196,6 +233,8 @@ def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
 
 def quantized_embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     ext = _ext(x)
+    if repacked(self) and (ext is None or not int8_activations):
+        unpack(self)
     if ext is not None and quantized_ok(self):
         return _qlinear(ext, self, x)
     return type(self)._macspec_stock.as_linear(self, x)
@@ -206,7 +245,10 @@ METHODS: dict[type, dict[str, Any]] = {
     nn.Linear: {"__call__": linear_call},
     nn.QuantizedLinear: {"__call__": quantized_linear_call},
     nn.Embedding: {"as_linear": embedding_as_linear},
-    nn.QuantizedEmbedding: {"as_linear": quantized_embedding_as_linear},
+    nn.QuantizedEmbedding: {
+        "as_linear": quantized_embedding_as_linear,
+        "__call__": quantized_embedding_call,
+    },
 }
 
 

@@ -22,8 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...errors import ModelError
-from ..target import hidden_states, language_model
+from .. import hooks
+from ..target import head_module, hidden_states
 
 log = logging.getLogger("macspec.core")
 
@@ -47,25 +47,12 @@ def frequent_ids(size: int, vocab_size: int, keep: Iterable[int] = ()) -> mx.arr
     return mx.array(sorted(ids), dtype=mx.int32)
 
 
-def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
-    """The module that gives a model's logits (as target.output_head), and whether it is the
-    tied input embedding."""
-    lm = language_model(model)
-    if getattr(lm, "lm_head", None) is not None:
-        return lm.lm_head, False
-    return lm.model.embed_tokens, True
-
-
 def _rows(source: nn.Module, ids: mx.array) -> nn.Module:
     """A copy of the head module `source` holding the rows of `ids` alone."""
-    if source["weight"].ndim != 2:  # (the CPU products repack layers' weights, never a head's)
-        raise ModelError(
-            f"the draft's head has weights of shape {source['weight'].shape}, not rows"
-        )
     module = copy.copy(source)
     for name in ("weight", "scales", "biases", "bias"):
-        if name in source:
-            module[name] = mx.contiguous(mx.take(source[name], ids, axis=0))
+        if name in source:  # in mlx's layout, whatever the accelerator holds (hooks.take_rows)
+            module[name] = mx.contiguous(hooks.take_rows(source, name, ids))
     mx.eval(module.parameters())
     return module
 

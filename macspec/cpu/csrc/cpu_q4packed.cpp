@@ -1,4 +1,4 @@
-// 4-bit weights in groups of 64 repacked once, at load, for the int8 products (AVX-512 VNNI, AVX2):
+// 4-bit weights in groups of 64 repacked once, at load, for the int8 products (AVX-512, AVX2):
 // each 16-row block's words transposed ahead of time, so that a vector holds one word (8 weights)
 // of each of its 16 rows, as q8_chunk's and cpu_q4wide.cpp's transposes make them on the fly in
 // every pass; and its scales and biases 16 rows to a group, as their scale tables do. A pass then
@@ -11,7 +11,6 @@
 // (products.py repacks with MLX's own transposes.)
 
 #include <algorithm>
-#include <stdexcept>
 
 #include "common.h"
 #include "qint8.h"
@@ -35,11 +34,34 @@ inline void prefetch_ahead(const uint32_t* w, const E* s, const E* bs, int g) {
 
 }  // namespace
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 
 namespace {
 
 constexpr int MR_MAX = 8;  // rows of x a pass over a block keeps sums for (the registers hold 8)
+
+// Group g's integer sums for MR rows of x (acc[m][0]) without VNNI: vpmaddubsw pairs of at most
+// 2 * 15 * 127, 8 of them (4 words' low and high nibbles) summed in int16 lanes before widening
+// (qdot.h's dot16): exact, the same integers as vpdpbusd's.
+template <int MR, int C>
+inline void group_sums16(const uint32_t* w, const int32_t* x, int M, vi (*acc)[C]) {
+  for (int c4 = 0; c4 < 8; c4 += 4) {
+    vs s[MR];
+    for (int m = 0; m < MR; m++) {
+      s[m] = zero16();
+    }
+    for (int c = c4; c < c4 + 4; c++) {
+      const vi v = {_mm512_loadu_si512(w + c * 16)};
+      const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
+      for (int m = 0; m < MR; m++) {
+        s[m] = dot16(dot16(s[m], lo, x + 2 * c * M + m), hi, x + (2 * c + 1) * M + m);
+      }
+    }
+    for (int m = 0; m < MR; m++) {
+      acc[m][0] = widen(acc[m][0], s[m]);
+    }
+  }
+}
 
 // Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers.
 template <ScaleType T, int MR>
@@ -63,13 +85,17 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
       }
     }
     const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
-    for (int c = 0; c < 8; c++) {
-      const vi v = {_mm512_loadu_si512(w + c * 16)};
-      const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
-      const int k = CH == 2 ? 2 * (c & 1) : 0;
-      for (int m = 0; m < MR; m++) {
-        acc[m][k] = dot(acc[m][k], lo, x + 2 * c * M + m);
-        acc[m][k + 1] = dot(acc[m][k + 1], hi, x + (2 * c + 1) * M + m);
+    if constexpr (!VNNI) {
+      group_sums16<MR>(w, x, M, acc);
+    } else {
+      for (int c = 0; c < 8; c++) {
+        const vi v = {_mm512_loadu_si512(w + c * 16)};
+        const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
+        const int k = CH == 2 ? 2 * (c & 1) : 0;
+        for (int m = 0; m < MR; m++) {
+          acc[m][k] = dot(acc[m][k], lo, x + 2 * c * M + m);
+          acc[m][k + 1] = dot(acc[m][k + 1], hi, x + (2 * c + 1) * M + m);
+        }
       }
     }
     const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
@@ -99,16 +125,46 @@ void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   }
 }
 
-#elif !(defined(__AVX512F__) && defined(__AVX512BW__))  // AVX2: rows 0-7 and 8-15 a register each
+#else  // AVX2: rows 0-7 and 8-15 a register each
 
 namespace {
 
 constexpr int MSUPER = 16;  // rows of x whose float sums are kept at a time
 
-// Group g's integer sums of the block's 16 rows for rows m..m+MR of x (MR <= 2: 16 registers), as
-// (rows 0-7, rows 8-15). Per word a lane's bytes give vpmaddubsw pairs of at most 2 * 15 * 127 =
-// 3,810 (low nibbles) plus as much (high): 16-bit sums over 4 words stay within 30,480, and are
-// widened then. Exact integers, as vpdpbusd's.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+
+constexpr int MR_MAX = 4;  // rows of x a group's pass keeps sums for: 8 of 16 registers
+
+// Group g's integer sums of the block's 16 rows for rows m..m+MR of x, as (rows 0-7, rows 8-15):
+// vpdpbusd (AVX-VNNI) adds each lane's 4 products to its sum, one instruction where AVX2 takes
+// about two and a quarter (below).
+template <int MR>
+inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc)[2]) {
+  const __m256i m15 = _mm256_set1_epi8(15);
+  for (int m = 0; m < MR; m++) {
+    acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  }
+  for (int c = 0; c < 8; c++) {
+    for (int h = 0; h < 2; h++) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16 + 8 * h));
+      const __m256i lo = _mm256_and_si256(v, m15);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+      for (int m = 0; m < MR; m++) {
+        acc[m][h] = dot8(acc[m][h], lo, _mm256_set1_epi32(x[2 * c * M + m]));
+        acc[m][h] = dot8(acc[m][h], hi, _mm256_set1_epi32(x[(2 * c + 1) * M + m]));
+      }
+    }
+  }
+}
+
+#else
+
+constexpr int MR_MAX = 2;  // 16 registers
+
+// Group g's integer sums of the block's 16 rows for rows m..m+MR of x, as (rows 0-7, rows 8-15).
+// Per word a lane's bytes give vpmaddubsw pairs of at most 2 * 15 * 127 = 3,810 (low nibbles)
+// plus as much (high): 16-bit sums over 4 words stay within 30,480, and are widened then. Exact
+// integers, as vpdpbusd's.
 template <int MR>
 inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc)[2]) {
   const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
@@ -145,6 +201,8 @@ inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc
   }
 }
 
+#endif
+
 // Rows [m0, m0 + mc) (mc <= MSUPER) of y's block b for x's rows of the same numbers.
 template <ScaleType T>
 void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) {
@@ -158,14 +216,11 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) 
     prefetch_ahead(w, s, bs, g);
     const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
     const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
-    for (int m = 0; m < mc; m += 2) {
-      __m256i acc[2][2];
-      if (mc - m >= 2) {
-        group_rows<2>(w, x + m, M, acc);
-      } else {
-        group_rows<1>(w, x + m, M, acc);
-      }
-      for (int r = 0; r < std::min(2, mc - m); r++) {
+    for (int m = 0; m < mc; m += MR_MAX) {
+      __m256i acc[MR_MAX][2];
+      with_rows<MR_MAX>(std::min(MR_MAX, mc - m),
+                        [&]<int MR>() { group_rows<MR>(w, x + m, M, acc); });
+      for (int r = 0; r < std::min(MR_MAX, mc - m); r++) {
         const size_t i = (size_t)g * M + m0 + m + r;
         float* f = facc + (m + r) * 16;
         storef(f, accumulate(loadf(f), {acc[r][0], acc[r][1]}, scale, xq.d[i], bias, xq.ds[i]));
@@ -186,13 +241,6 @@ void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
       block_rows<T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
     }
   }
-}
-
-#else  // AVX-512 without VNNI: nothing is repacked (Q4_PACKED), and a repacked product is refused
-
-template <ScaleType T>
-void q4_packed_chunk(const QProduct&, const QuantizedX&, int, int) {
-  throw std::logic_error("[macspec products] repacked weights on an AVX-512 build without VNNI");
 }
 
 #endif
