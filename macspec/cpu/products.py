@@ -125,11 +125,8 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
 # first; their new shapes make mlx refuse them rather than misread them.
 
 
-QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
-
-
 def repacked(m: nn.Module) -> bool:
-    return isinstance(m, QUANTIZED) and m.weight.ndim == 3
+    return isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.weight.ndim == 3
 
 
 def packable(m: nn.Module) -> bool:
@@ -141,7 +138,7 @@ def packable(m: nn.Module) -> bool:
         and int8_activations
         and repack_weights
         and ext.q4_packs()
-        and isinstance(m, QUANTIZED)
+        and isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and quantized_ok(m)
         and m.bits == 4
         and m.group_size == 64
@@ -218,19 +215,12 @@ def take_rows(m: nn.Module, name: str, ids: mx.array) -> mx.array:
 
 
 def quantized_embedding_call(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
-    """An embedding's lookup, as mlx's, from repacked weights as well (a tied head's). Half
-    scales (float32_activations keeps them for the head's product) are widened for the rows
-    looked up alone: the lookups are float32, as with float32 scales, to the bit."""
-    if not quantized_ok(self):
+    """An embedding's lookup, as mlx's, from repacked weights as well (a tied head's)."""
+    if not repacked(self):
         return type(self)._macspec_stock.__call__(self, x)
     w, s, b = (take_rows(self, name, x) for name in ("weight", "scales", "biases"))
     return mx.dequantize(
-        w,
-        scales=s.astype(mx.float32),
-        biases=b.astype(mx.float32),
-        group_size=self.group_size,
-        bits=self.bits,
-        mode=self.mode,
+        w, scales=s, biases=b, group_size=self.group_size, bits=self.bits, mode=self.mode
     )
 
 
@@ -279,17 +269,16 @@ def float32_activations(model: nn.Module) -> bool:
 
     MLX's CPU backend has no half-precision arithmetic on x86: every elementwise op converts
     each element, and its quantized product with half activations takes seconds a token. The
-    norms and any unquantized weights become float32; quantized matrices and embeddings keep
-    their half scales, which the extension reads (a tied head's are read by every pass), and
-    the switched embedding's lookups return float32 (quantized_embedding_call).
+    norms, the embedding's scales (its lookups then return float32) and any unquantized weights
+    become float32; quantized matrices keep their half scales, which the extension reads.
     Returns whether anything changed. The logits are then the model's computed in float32,
     for plain and speculative decoding alike."""
     modules = list(model.named_modules())
-    if not any(isinstance(m, QUANTIZED) for _, m in modules):
+    if not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in modules):
         return False
     converted = []
     for _, m in modules:
-        keep = ("scales", "biases") if isinstance(m, QUANTIZED) else ()
+        keep = ("scales", "biases") if isinstance(m, nn.QuantizedLinear) else ()
         for name, value in m.items():
             if (
                 isinstance(value, mx.array)
