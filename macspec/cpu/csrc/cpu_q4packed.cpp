@@ -71,7 +71,8 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * 128;
   const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
   const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
-  constexpr int CH = MR <= 2 ? 2 : 1;  // independent sums a row: ~10 products under way
+  // independent sums a row with VNNI: ~10 products under way (group_sums16 chains its own)
+  constexpr int CH = VNNI && MR <= 2 ? 2 : 1;
   vf facc[MR];
   for (int m = 0; m < MR; m++) {
     facc[m] = {_mm512_setzero_ps()};
@@ -255,9 +256,9 @@ template void q4_packed_chunk<ScaleType::bf16>(const QProduct&, const QuantizedX
 
 namespace macspec {
 
-bool q4_packs() {
+bool q4_packs() {  // every build with int8 products has a kernel above
 #if defined(MACSPEC_INT8)
-  return q8::Q4_PACKED;
+  return true;
 #else
   return false;
 #endif

@@ -142,7 +142,6 @@ void q4_rows_blocks(const QProduct& p, int n0, int n1, Tiles&& tiles, Pass&& pas
 
 // Rows [n0, n1) (multiples of 16) of y for a product of repacked weights (cpu_q4packed.cpp),
 // which every build with int8 products takes.
-constexpr bool Q4_PACKED = true;
 template <ScaleType T>
 void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1);
 
