@@ -122,6 +122,14 @@ KERNELS = Switch(
     True,
     "macspec's CPU layer kernels in loaded models (off: mlx-lm's own layers)",
 )
+SPECULATE_UNALIKE = Switch(
+    "MACSPEC_SPECULATE_UNALIKE",
+    "flag",
+    True,
+    "speculate on a target whose verification rows this backend computes to float rounding of a "
+    "plain step, not bit for bit (greedy output may then differ from plain decoding at "
+    "near-ties; docs/architecture.md lists them); off: such a target decodes plainly",
+)
 NATIVE = Switch(
     "MACSPEC_NATIVE",
     "flag",
@@ -147,7 +155,7 @@ NATIVE_PRODUCTS = Switch(
     "MACSPEC_NATIVE_PRODUCTS",
     "flag",
     True,
-    "native weight products of up to 16 rows (off: mlx's BLAS and quantized products)",
+    "native weight products (off: mlx's BLAS and quantized products)",
     at_import=True,
 )
 INT8_ACTIVATIONS = Switch(

@@ -83,3 +83,22 @@ def test_the_draft_was_used(answers):
     stats = [r.stats for r in answers["draft K=4"]]
     assert all(s.drafted > 0 for s in stats)
     assert sum(s.accepted for s in stats) > 0
+
+
+# Issue 54's prompt: a near-tie at its 46th id that passes of over 17 rows once computed otherwise.
+COPY_PROMPT = (
+    "Write a SQL query that lists the ten customers with the highest total order amount, from "
+    "tables customers(id, name) and orders(id, customer_id, amount)."
+)
+
+
+@pytest.mark.parametrize("k", [17, 20, 24])
+def test_long_ngram_copies_equal_plain_decoding(paths, k):
+    """n-gram drafting at fixed K 17-24 (passes of 18-25 rows) on a copy-heavy answer: the
+    same ids as plain decoding, and rounds of K drafts were verified."""
+    ngram = macspec.load(paths[0], drafter="ngram", measure=False)
+    messages = [{"role": "user", "content": COPY_PROMPT}]
+    plain = macspec.generate(ngram, messages=messages, max_tokens=80, speculative=False)
+    r = macspec.generate(ngram, messages=messages, max_tokens=80, num_draft=k, adaptive=False)
+    assert r.tokens == plain.tokens
+    assert len(r.stats.per_position_acceptance) == k

@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import switches
+
 
 def _softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
@@ -51,8 +53,11 @@ def _unchanged(*args: Any) -> int:
     return 0
 
 
-def _any_rows(model: nn.Module) -> int | None:
-    return None
+def _mlx_rows(model: nn.Module) -> int | None:
+    """mlx's own kernels promise no row a plain step's bits beside others: Metal and CUDA pick
+    their matmul, quantized and attention kernels by the number of rows (docs/architecture.md,
+    "Rows alike"), so a pass holds one row where SPECULATE_UNALIKE is off; else any number."""
+    return None if switches.SPECULATE_UNALIKE.value() else 1
 
 
 def _rows_by_module(layer: nn.Module, x: mx.array, caches: list) -> None:
@@ -98,7 +103,7 @@ class Hooks:
     accelerate_model: Callable[[nn.Module], int] = _unchanged
     accelerate_layers: Callable[[nn.Module, list], int] = _unchanged
     setup: Callable[[], dict] = field(default=dict)
-    alike_rows: Callable[[nn.Module], int | None] = _any_rows
+    alike_rows: Callable[[nn.Module], int | None] = _mlx_rows
     rows_layer: Callable[[nn.Module, mx.array, list], mx.array | None] = _rows_by_module
 
 

@@ -189,11 +189,13 @@ class TreeShape:
         return min(self.depth * self.width, self.max_nodes)
 
 
-def fit(shape: TreeShape, room: int) -> TreeShape | int:
-    """The shape cut to a round that may emit at most room + 1 ids (0: a plain step)."""
-    if room < 1:
+def fit(shape: TreeShape, room: int, widest: int | None = None) -> TreeShape | int:
+    """The shape cut to a round that may emit at most room + 1 ids (0: a plain step), and to a
+    pass of at most `widest` ids (its root and nodes; None: any)."""
+    nodes = shape.max_nodes if widest is None else min(shape.max_nodes, widest - 1)
+    if room < 1 or nodes < 1:
         return 0
-    return TreeShape(min(shape.depth, room), shape.width, shape.max_nodes)
+    return TreeShape(min(shape.depth, room), shape.width, nodes)
 
 
 def grow(

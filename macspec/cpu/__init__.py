@@ -69,7 +69,7 @@ HOOKS = hooks.Hooks(
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,
-    alike_rows=products.alike_rows,
+    alike_rows=kernels.alike_rows,
     rows_layer=rows.rows_layer,
 )
 

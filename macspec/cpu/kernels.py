@@ -8,7 +8,7 @@ checking K drafts and one plain step (README, "speed on Linux CPUs", has the mea
 `accelerate` switches the attention and MLP of mlx-lm's llama and qwen2 layers (and the drafts
 built from them), every RMS norm, and the weight products of any model (products.py), to the
 methods below by changing their class. Where the native extension is built (native.py), the
-norms, SwiGLU, RoPE and attention of up to `products.MAX_ROWS` rows are one native primitive
+norms, SwiGLU, RoPE and attention of any number of rows are one native primitive
 each (csrc/cpu_layer.cpp, cpu_attention.cpp), and a whole llama/qwen2 layer two (blocks.py);
 otherwise the whole-array forms below run.
 Either way the change is in the class: weights, parameter names and saved files stay exactly
@@ -253,11 +253,54 @@ def _native_attention(
     return self.o_proj(ext.attend(q, k, v, self.scale, mask is not None))
 
 
+def alike_rows(model: nn.Module) -> int | None:
+    """hooks.alike_rows: where every layer of `model` runs on the native primitives (a
+    llama/qwen2 trunk with a table RoPE, the products and layer kernels on), each product,
+    norm and attention of any number of rows gives each row the bits it gets alone: None, no
+    limit. Other layers run mlx's own ops, whose attention, masks and scans are computed
+    otherwise for several rows than for one (tests/test_row_bits.py): then 1, unless
+    switches.SPECULATE_UNALIKE lets them speculate (the default; said once, as a warning)."""
+    if rows_alike(model):
+        return None
+    if not switches.SPECULATE_UNALIKE.value():
+        return 1
+    kind = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        log.warning(
+            "%s: verification rows agree with a plain step to float rounding, not bit for bit, "
+            "on this CPU (its layers run mlx's own ops): greedy output may differ from plain "
+            "decoding at near-ties; %s=0 decodes it plainly",
+            kind,
+            switches.SPECULATE_UNALIKE,
+        )
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def rows_alike(model: nn.Module) -> bool:
+    """Every decoder layer of `model` runs on the native primitives, which compute each row of
+    a pass alone (blocks.py's fused layer, or the attention and MLP ops one by one)."""
+    layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
+    return (
+        products.active()
+        and native_layers() is not None
+        and bool(layers)
+        and all(
+            _fusable(layer) and isinstance(layer.self_attn._macspec_rope, TableRoPE)
+            for layer in layers
+        )
+    )
+
+
 def native_case(attn: nn.Module, x: mx.array, mask: Any, cache: Any) -> tuple | None:
     """(ext, table, offset, tree) where `attn`'s pass can run on the native primitives (the
-    attention here, the whole layer in blocks.py): one sequence of up to `products.MAX_ROWS`
-    float32 rows, a table RoPE, an integer offset, a causal mask or a token tree's boolean one
-    (tree.tree_pass: its table, positions and their end), an unquantized cache; else None."""
+    attention here, the whole layer in blocks.py): one sequence of float32 rows (any number:
+    each row's bits are those it gets alone), a table RoPE, an integer offset, a causal mask or
+    a token tree's boolean one (tree.tree_pass: its table, positions and their end), an
+    unquantized cache; else None."""
     ext = native_layers()
     tree = getattr(attn, "_macspec_tree", None)
     table = tree[0] if tree is not None else getattr(attn, "_macspec_rope", None)
@@ -266,7 +309,6 @@ def native_case(attn: nn.Module, x: mx.array, mask: Any, cache: Any) -> tuple | 
     if (
         ext is not None
         and b == 1
-        and length <= products.MAX_ROWS
         and x.dtype == mx.float32
         and isinstance(table, TableRoPE)
         and isinstance(offset, int)

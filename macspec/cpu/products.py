@@ -7,11 +7,11 @@ there; with float16 activations each multiply-add is emulated). The native exten
 (native.py) streams each weight matrix once for all rows, on every core, from float32 or MLX's
 affine 4/8-bit layout; quantized products quantize the rows to int8 and take integer dot products
 (AVX-512 VNNI, AVX-VNNI or AVX2), unless switches.INT8_ACTIVATIONS is off. Off the CPU backend,
-without the extension, or for float32 products of more rows than `MAX_ROWS` (prompt chunks: BLAS
-is faster there) mlx's own ops run.
+or without the extension, mlx's own ops run.
 
-Every row's result is computed in the same order whatever the number of rows, so a plain step
-and a verification pass agree bit for bit on their products.
+Every row's result is computed in the same order whatever the number of rows (the kernels take
+rows in blocks, each row summed alone), so a plain step, a verification pass of any width and a
+prompt chunk agree bit for bit on their products.
 """
 
 from __future__ import annotations
@@ -20,16 +20,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .. import switches
 from ..core import target
 from . import native
-
-# Float32 products up to this many rows go to the extension (a verification pass of up to 15
-# drafts); larger ones (prompt chunks) to BLAS. Quantized products always do: mlx's CPU kernel
-# is slower at every size.
-MAX_ROWS = 16
 
 _enabled = switches.NATIVE_PRODUCTS.value()
 # Off: quantized products take float activations (the weights unpacked to float32) instead of
@@ -61,14 +55,14 @@ def _ext(x: mx.array) -> Any:
     return native.load()
 
 
-def _rows(x: mx.array) -> int:
-    return x.size // max(x.shape[-1], 1)
-
-
 def _float32(x: mx.array, w: mx.array) -> Any:
-    """The extension, for a float32 product of few enough rows; else None (mlx's own)."""
+    """The extension, for a float32 product of any number of rows; else None (mlx's own).
+
+    Prompt chunks too: a BLAS would round a row differently beside others (so a verification
+    row would not be a plain step's), and the reference BLAS of a fresh install is 20-50x slower
+    (docs/cpu.md, "any number of rows")."""
     ext = _ext(x)
-    return ext if ext is not None and w.dtype == mx.float32 and _rows(x) <= MAX_ROWS else None
+    return ext if ext is not None and w.dtype == mx.float32 else None
 
 
 def quantized_ok(m: nn.Module) -> bool:
@@ -250,18 +244,6 @@ METHODS: dict[type, dict[str, Any]] = {
         "__call__": quantized_embedding_call,
     },
 }
-
-
-def alike_rows(model: nn.Module) -> int | None:
-    """hooks.alike_rows: a float32 product of up to MAX_ROWS rows gives each row the same bits
-    whatever the others (the native kernel); past that BLAS blocks rows together, and rounds
-    differently. Quantized products are native at any row count."""
-    if not active():
-        return None
-    for name, w in tree_flatten(model.parameters()):
-        if w.ndim == 2 and w.dtype == mx.float32 and not name.endswith(("scales", "biases")):
-            return MAX_ROWS
-    return None
 
 
 def float32_activations(model: nn.Module) -> bool:

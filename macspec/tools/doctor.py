@@ -99,8 +99,8 @@ def layer_kernels() -> str:
             else f"one primitive each ({switches.NATIVE_BLOCKS} or products off)"
         )
         return (
-            f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention of up to "
-            f"{products.MAX_ROWS} rows; {fused})"
+            f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention; any number of rows, "
+            f"each with the bits it gets alone; {fused})"
         )
     why = native.reason or f"{switches.NATIVE_LAYERS} is off"
     return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"
@@ -118,9 +118,8 @@ def native_products() -> str:
         off = f"{switches.NATIVE_PRODUCTS} is off"
         return f"off: {off}; mlx's own products (BLAS, scalar quantized)"
     repacked = products.int8_activations and products.repack_weights and ext.q4_packs()
-    return (
-        f"in use ({ext.threads()} threads; float32 and 4/8-bit, up to {products.MAX_ROWS} rows"
-        + ("; 4-bit weights in groups of 64 repacked at load)" if repacked else ")")
+    return f"in use ({ext.threads()} threads; float32 and 4/8-bit, any number of rows" + (
+        "; 4-bit weights in groups of 64 repacked at load)" if repacked else ")"
     )
 
 
