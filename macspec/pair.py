@@ -67,6 +67,8 @@ class Pair:
     draft_vocab: int = 0  # ids a draft model's pruned head scores (drafters/pruned.py); 0: all
     # States kept between generations (core/caches/); None: every prompt is read whole.
     prompt_cache: PromptCache | None = None
+    # A draft model reads only a prompt's last this many ids (0: all; load(draft_context=)).
+    draft_context: int = 0
 
     def describe(self) -> str:
         """One line naming the models and how drafts are made (and the target's layer kinds
@@ -128,6 +130,9 @@ log = logging.getLogger("macspec")
 
 # A draft model stops drafting (adaptive K) when its own probability of a token is below this.
 DRAFT_CONFIDENCE = 0.3
+# The ids of a long prompt a draft model reads by default: its end only (docs/benchmarks.md,
+# "Long prompts": reading it all added 38-43% to the time to the first token at 2-4k ids).
+DRAFT_CONTEXT = 512
 # Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
 FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files", "eagle3": "macspec.models.eagle3_draft"}
 # load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
@@ -187,6 +192,7 @@ def load(
     group: mx.distributed.Group | None = None,
     kernels: bool | None = None,
     measure: bool = True,
+    draft_context: int = DRAFT_CONTEXT,
 ) -> Pair:
     """Load a target and (optionally) a draft: directories or store names.
 
@@ -195,7 +201,11 @@ def load(
     (the draft model only), or "ngram" (no draft model: copy from the prompt and output).
     `kernels`: macspec's CPU layer kernels (cpu/kernels.py) instead of mlx-lm's layers; by
     default on, unless the environment sets MACSPEC_KERNELS=0. `measure`: measure this machine's
-    costs for the adaptive policy now (else at the first adaptive speculative generation)."""
+    costs for the adaptive policy now (else at the first adaptive speculative generation).
+    `draft_context`: a draft model reads only a prompt's last this many ids (0: all of it); the
+    answer is the same either way, only the time to the first token and the drafts change."""
+    if isinstance(draft_context, bool) or not isinstance(draft_context, int) or draft_context < 0:
+        raise OptionError(f"invalid draft_context={draft_context!r}: a whole number >= 0 (0: all)")
     if kernels is None:
         kernels = switches.KERNELS.value()
     _check_drafter(target, draft, drafter)
@@ -224,6 +234,7 @@ def load(
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         group=group,
         kernels=kernels,
+        draft_context=draft_context,
     )
     vocab = len(tokenizer._tokenizer)
     # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
@@ -363,7 +374,11 @@ def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[b
     head = prune_head(pair.draft, pair.vocab_size, size, _special_ids(pair))
     pair.draft_vocab = head.size if head is not None else 0
     return lambda adaptive: ModelDrafter(
-        pair.draft, pair.vocab_size, DRAFT_CONFIDENCE if adaptive else 0.0, head
+        pair.draft,
+        pair.vocab_size,
+        DRAFT_CONFIDENCE if adaptive else 0.0,
+        head,
+        context=pair.draft_context,
     )
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from .. import options
 from ..errors import OptionError
-from ..pair import DRAFTERS, Pair
+from ..pair import DRAFT_CONTEXT, DRAFTERS, Pair
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,14 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         choices=list(DRAFTERS),
         help="; ".join(f"'{k}': {v}" for k, v in DRAFTERS.items())
         + " (default: an n-gram copy when the context repeats, else the draft model)",
+    )
+    p.add_argument(
+        "--draft-context",
+        type=int,
+        metavar="N",
+        default=DRAFT_CONTEXT,
+        help=f"the draft model reads only a prompt's last N ids (default {DRAFT_CONTEXT}; 0: all); "
+        "the answer is the same, only the time to the first token and the drafts change",
     )
     options.add_arguments(p)
 
@@ -43,7 +51,14 @@ def load_pair(args: argparse.Namespace) -> Pair:
         target, draft = ensure_pair(args.pair)
     # Decoding plainly needs no costs: not the seconds of measuring them before its first token.
     measure = options.from_args(args).get("speculative", options.DEFAULTS.speculative)
-    pair = load(target, draft, drafter=args.drafter, group=init_group(), measure=measure)
+    pair = load(
+        target,
+        draft,
+        drafter=args.drafter,
+        group=init_group(),
+        measure=measure,
+        draft_context=args.draft_context,
+    )
     serve_if_follower(pair)
     return pair
 

@@ -61,6 +61,7 @@ class DraftState:
     lookahead: int = 0
     extra: Any = None
     catches_up: bool = False  # it reads the ids itself: may resume behind the target
+    start: int = 0  # context ids before its cache (a draft that read only a prompt's end)
 
 
 # ---------------------------------------------------------------- one model's cache
@@ -180,8 +181,8 @@ def _draft_span(state: DraftState, max_step: int) -> tuple[int, int]:
     lo, hi = span(state.cache, max_step)
     at = length(state.cache)
     if lo > hi:  # the cache can only stay where it is
-        lo = at if at == state.length else at + 1
-    return lo, state.length
+        lo = at if state.start + at == state.length else at + 1
+    return state.start + lo, state.length
 
 
 @dataclass
@@ -298,7 +299,8 @@ def _kind(drafter: Any) -> str | None | bool:
 def _restore_draft(state: DraftState, n: int) -> DraftState:
     if state.cache is None:
         return replace(state, length=n)
-    return replace(state, cache=copy_cache(state.cache, min(n, length(state.cache))), length=n)
+    held = min(n - state.start, length(state.cache))
+    return replace(state, cache=copy_cache(state.cache, held), length=n)
 
 
 def _spare(cache: list) -> int:

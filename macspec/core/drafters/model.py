@@ -34,8 +34,13 @@ class ModelDrafter:
         vocab_size: int,
         stop_below: float = 0.0,
         head: PrunedHead | None = None,
+        context: int = 0,
     ):
         self.model = model
+        # Read only a prompt's last `context` ids (0: all of it): the draft only proposes, so
+        # what it reads changes the speed (its prefill, its attention), never the answer.
+        self.context = context
+        self._start = 0  # context ids before the draft's cache (a prompt's unread head)
         self.vocab_size = vocab_size
         self.pruned = head  # over the frequent ids; `head` adds the prompt's (start/resume)
         self.head = head
@@ -54,7 +59,8 @@ class ModelDrafter:
     state_kind = "model"
 
     def snapshot(self) -> DraftState:
-        return DraftState(self.state_kind, self.cache, caches.length(self.cache), catches_up=True)
+        held = self._start + caches.length(self.cache)
+        return DraftState(self.state_kind, self.cache, held, catches_up=True, start=self._start)
 
     def resume(
         self,
@@ -64,10 +70,13 @@ class ModelDrafter:
         hidden: mx.array | None = None,
         max_step: int = 1,
     ) -> None:
-        if state is None:  # nothing kept: the whole prompt
-            self.cache, n = caches.make_cache(self.model, max_step + 1), 0
+        unread = len(prompt) - 1 - n
+        if state is None or (self.context and unread > self.context):  # afresh: the prompt's end
+            self.cache = caches.make_cache(self.model, max_step + 1)
+            n = max(0, len(prompt) - 1 - self.context) if self.context else 0
+            self._start = n
         else:
-            self.cache = state.cache
+            self.cache, self._start = state.cache, state.start
         caches.prefill(self.model, self.cache, prompt[n:-1])
         self.pending = prompt[-1:]
         if self.pruned is not None:
