@@ -125,3 +125,26 @@ def test_messages_are_checked(tiny_dirs):
             macspec.generate(pair, messages=bad)
     with pytest.raises(macspec.PromptError, match="not both"):
         macspec.generate(pair, "hi", messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("flag", "want"), [([], macspec.pair.DRAFT_CONTEXT), (["0"], 0), (["7"], 7)]
+)
+def test_draft_context_flag_reaches_the_pair(tiny_dirs, capsys, monkeypatch, flag, want):
+    import macspec.pair
+
+    loaded = []
+    real = macspec.pair.load
+    monkeypatch.setattr(macspec.pair, "load", lambda *a, **k: loaded.append(k) or real(*a, **k))
+    target, draft = map(str, tiny_dirs)
+    args = ["generate", "Hi", "--target", target, "--draft", draft, "--max-tokens", "4"]
+    assert main([*args, *(["--draft-context", *flag] if flag else [])]) == 0
+    assert loaded[0]["draft_context"] == want
+
+
+def test_a_negative_draft_context_is_one_message(tiny_dirs, capsys):
+    target, draft = map(str, tiny_dirs)
+    args = ["generate", "Hi", "--target", target, "--draft", draft, "--draft-context", "-3"]
+    assert main(args) != 0
+    err = capsys.readouterr().err
+    assert "draft_context=-3" in err and "Traceback" not in err
