@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import statistics
 import sys
 
 import pytest
@@ -349,6 +350,28 @@ def test_context_precedes_each_prompt_with_other_questions(same_pair, tmp_path, 
     assert meta["context"] == 700
     # The fewest questions that reach 700 tokens: at least 700, and not one question more.
     assert all(700 <= p["tokens"] < 760 for p in meta["prompts"]), meta["prompts"]
+
+
+def test_every_run_reads_its_prompt_whole_and_its_time_to_the_first_token_is_kept(
+    same_pair, tmp_path, monkeypatch
+):
+    """Two repeats of one 700-id prompt: the prompt cache is emptied before each macspec run (the
+    second is no cache hit: a whole prefill), and the summary and the table show that time."""
+    from macspec.core.caches import PromptCache
+
+    cleared = []
+    real = PromptCache.clear
+    monkeypatch.setattr(PromptCache, "clear", lambda self: cleared.append(1) or real(self))
+    out = bm.bench(
+        *same_pair, kinds="chat", per_kind=1, max_tokens=4, temperature="0", context=700,
+        repeats=2, methods="macspec_plain", output=tmp_path / "ttft", charts=False, quiet=True,
+    )  # fmt: skip
+    runs = [r for r in out["runs"] if r["method"] == "macspec_plain"]
+    assert len(runs) == 2 and len(cleared) >= 2
+    assert all(r["first_time"] > 0 for r in runs)
+    row = next(r for r in out["summary"] if r["method"] == "macspec_plain" and r["kind"] == "all")
+    assert row["first_token_s"] == statistics.median(r["first_time"] for r in runs)
+    assert "TTFT s" in format_table(out)
 
 
 def test_with_context_is_the_shortest_list_that_reaches_the_length():

@@ -6,6 +6,7 @@ and the charts. scripts/bench_readme.py reads the same rows (iter_rows, find_row
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,13 +43,15 @@ class RunRecord:
     verify_time: float | None = None
     peak_memory: int = 0
     text: str = ""
+    first_time: float = 0.0  # seconds from the run's start to its first token: the prompt read
 
 
 class Recorder:
     """Turns a stream of rounds (accepted drafts, drafted count, emitted count) into a record."""
 
-    def __init__(self, rec: RunRecord):
+    def __init__(self, rec: RunRecord, started: float | None = None):
         self.rec = rec
+        self.started = time.perf_counter() if started is None else started
         self.first_at: float | None = None
         self.last_at = 0.0
 
@@ -67,6 +70,7 @@ class Recorder:
                 rec.accepted_at[i] += i < accepted
         if self.first_at is None:
             self.first_at = now
+            rec.first_time = now - self.started
         else:
             rec.passes += 1
             rec.rows += rows or drafted + 1
@@ -188,6 +192,8 @@ def _row(
         "runs": len(recs),
         "tokens": sum(r.decode_tokens for r in recs),
         "tok_s": _median_min_max(tok_s) if tok_s else None,
+        # the prompt's prefill and the first pass (each run reads its prompt whole)
+        "first_token_s": statistics.median(r.first_time for r in recs),
         "speedup": None,
         **_acceptance(recs),
         "time_split": _time_split(recs),
@@ -247,7 +253,7 @@ def format_table(result: dict[str, Any]) -> str:
         head = f"{'method':<{width}}{'tok/s median (min-max)':>25}"
         head += f"{'speedup':>9}{'accept':>8}{'len':>6}{'rows':>6}{'round':>7}"
         head += "".join(f"{k[:8]:>9}" for k in kinds)
-        head += f"{'draft/verify/other':>20}{'peak MB':>9}{'weights GB/s':>14}"
+        head += f"{'draft/verify/other':>20}{'TTFT s':>8}{'peak MB':>9}{'weights GB/s':>14}"
         out.append(head)
         for r in iter_rows(result, temp):
             ts = r["tok_s"]
@@ -264,7 +270,8 @@ def format_table(result: dict[str, Any]) -> str:
             split = f"{s['draft']:.0%}/{s['verify']:.0%}/{s['other']:.0%}" if s else "-"
             bw = r["bandwidth_fraction"]
             peak = r["peak_memory_bytes"]  # 0: not measured (llama.cpp's rows)
-            line += f"{split:>20}" + (f"{peak / 1e6:>9.0f}" if peak else f"{'-':>9}")
+            line += f"{split:>20}{r.get('first_token_s', 0.0):>8.2f}"
+            line += f"{peak / 1e6:>9.0f}" if peak else f"{'-':>9}"
             line += f"{r['weight_read_gbs']:>8.2f} ({bw:.0%})" if bw is not None else f"{'-':>14}"
             out.append(line)
     for s in result["skipped"]:

@@ -55,6 +55,12 @@ class Runner:
         # Other methods' pairs stay loaded: count this method's weights plus what the run added.
         resident = mx.get_active_memory()
         mx.reset_peak_memory()
+        if m.method not in LLAMACPP and m.method not in MLX_LM:
+            # Every run reads its prompt whole (its time to the first token is a prefill's), as
+            # llama.cpp's (cache_prompt off) and mlx-lm's rows do.
+            prompt_cache = self.pair_for(m.method).prompt_cache
+            if prompt_cache is not None:
+                prompt_cache.clear()
         counter = Recorder(rec)
         if m.method in LLAMACPP:  # not MLX: its memory is not counted here
             peer = self.llamacpp
