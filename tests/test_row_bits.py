@@ -26,7 +26,7 @@ import macspec
 from macspec import switches
 from macspec.core import hooks, policy
 from macspec.core.target import Target
-from macspec.cpu import blocks, kernels, native, products
+from macspec.cpu import alike, blocks, kernels, native, products
 
 WIDTHS = (1, 2, 16, 17, 18, 25, 33, 64)
 PROMPT = [3, 9, 27, 17, 5, 40, 2]
@@ -65,7 +65,7 @@ def test_every_row_of_a_pass_of_any_width_is_a_plain_step(
 ):
     monkeypatch.setattr(products, "int8_activations", int8)
     model = _model(module, bits, group)
-    assert kernels.rows_alike(model) and kernels.alike_rows(model) is None  # any width
+    assert alike.rows_alike(model) and alike.alike_rows(model) is None  # any width
     assert _unalike_widths(model) == []
     # the wide passes ran on the fused layers too, not on mlx's ops
     passes = 1 + len(ROWS) + len(WIDTHS) * 2
@@ -98,9 +98,9 @@ def test_a_prompt_read_in_one_pass_leaves_the_states_of_one_id_at_a_time():
 def test_without_the_native_kernels_rows_are_not_promised_alike(monkeypatch):
     monkeypatch.setattr(products, "_enabled", False)
     model = _model(llama, 4, 64)
-    assert not kernels.rows_alike(model)
+    assert not alike.rows_alike(model)
     monkeypatch.setenv(str(switches.SPECULATE_UNALIKE), "0")
-    assert kernels.alike_rows(model) == 1
+    assert alike.alike_rows(model) == 1
 
 
 def _gemma(path=None):
@@ -117,16 +117,16 @@ def test_a_target_on_mlx_ops_is_said_to_round_its_rows_otherwise(caplog):
     on (measured here, on any BLAS): it is not promised alike, and by default it speculates with
     a warning, said once."""
     model = _gemma()
-    assert not kernels.rows_alike(model)
+    assert not alike.rows_alike(model)
     ids = [r % archzoo.VOCAB for r in ROWS[:8]]
     steps = chunk_logits(model, [PROMPT, *([r] for r in ids)])[1:]
     rows = chunk_logits(model, [PROMPT, ids])[1]
     assert any(not np.array_equal(rows[i], steps[i][0]) for i in range(8))
     np.testing.assert_allclose(rows, np.concatenate(steps), rtol=0, atol=1e-4)
-    kernels._WARNED.discard("gemma3_text")
+    alike._WARNED.discard("gemma3_text")
     with caplog.at_level(logging.WARNING, logger="macspec.cpu"):
-        assert kernels.alike_rows(model) is None
-        assert kernels.alike_rows(model) is None
+        assert alike.alike_rows(model) is None
+        assert alike.alike_rows(model) is None
     said = [r.getMessage() for r in caplog.records if "float rounding" in r.getMessage()]
     assert len(said) == 1 and "gemma3_text" in said[0]
     assert str(switches.SPECULATE_UNALIKE) in said[0]

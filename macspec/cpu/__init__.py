@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
-from . import blocks, kernels, native, products, rows, sample
+from . import alike, blocks, kernels, native, products, rows, sample
 
 
 @contextmanager
@@ -79,7 +79,7 @@ HOOKS = hooks.Hooks(
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,
-    alike_rows=kernels.alike_rows,
+    alike_rows=alike.alike_rows,
     rows_layer=rows.rows_layer,
 )
 

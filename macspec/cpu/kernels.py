@@ -253,48 +253,6 @@ def _native_attention(
     return self.o_proj(ext.attend(q, k, v, self.scale, mask is not None))
 
 
-def alike_rows(model: nn.Module) -> int | None:
-    """hooks.alike_rows: where every layer of `model` runs on the native primitives (a
-    llama/qwen2 trunk with a table RoPE, the products and layer kernels on), each product,
-    norm and attention of any number of rows gives each row the bits it gets alone: None, no
-    limit. Other layers run mlx's own ops, whose attention, masks and scans are computed
-    otherwise for several rows than for one (tests/test_row_bits.py): then 1, unless
-    switches.SPECULATE_UNALIKE lets them speculate (the default; said once, as a warning)."""
-    if rows_alike(model):
-        return None
-    if not switches.SPECULATE_UNALIKE.value():
-        return 1
-    kind = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
-    if kind not in _WARNED:
-        _WARNED.add(kind)
-        log.warning(
-            "%s: verification rows agree with a plain step to float rounding, not bit for bit, "
-            "on this CPU (its layers run mlx's own ops): greedy output may differ from plain "
-            "decoding at near-ties; %s=0 decodes it plainly",
-            kind,
-            switches.SPECULATE_UNALIKE,
-        )
-    return None
-
-
-_WARNED: set[str] = set()
-
-
-def rows_alike(model: nn.Module) -> bool:
-    """Every decoder layer of `model` runs on the native primitives, which compute each row of
-    a pass alone (blocks.py's fused layer, or the attention and MLP ops one by one)."""
-    layers = list(getattr(getattr(model, "model", None), "layers", []) or [])
-    return (
-        products.active()
-        and native_layers() is not None
-        and bool(layers)
-        and all(
-            _fusable(layer) and isinstance(layer.self_attn._macspec_rope, TableRoPE)
-            for layer in layers
-        )
-    )
-
-
 def native_case(attn: nn.Module, x: mx.array, mask: Any, cache: Any) -> tuple | None:
     """(ext, table, offset, tree) where `attn`'s pass can run on the native primitives (the
     attention here, the whole layer in blocks.py): one sequence of float32 rows (any number:
@@ -431,7 +389,7 @@ def accelerate_layers(layers: list) -> int:
             hit = True
         if isinstance(layer, nn.Module) and switch_products(layer) + switch_norms(layer):
             hit = True
-        if isinstance(layer, nn.Module) and _fusable(layer):  # two primitives (blocks.py)
+        if isinstance(layer, nn.Module) and fusable(layer):  # two primitives (blocks.py)
             _switch_block(layer, fusable=True)
         changed += hit
     return changed
@@ -444,7 +402,7 @@ def _switch_block(layer: nn.Module, fusable: bool) -> None:
     layer._macspec_fusable = fusable
 
 
-def _fusable(layer: nn.Module) -> bool:
+def fusable(layer: nn.Module) -> bool:
     """A llama/qwen2 decoder layer whose attention and MLP were switched (blocks.py)."""
     from mlx_lm.models import llama, qwen2
 
@@ -473,7 +431,7 @@ def accelerate(model: nn.Module) -> int:
     switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
-            _switch_block(layer, _fusable(layer))
+            _switch_block(layer, fusable(layer))
             layer._macspec_overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
     return changed
 
