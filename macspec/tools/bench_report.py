@@ -49,9 +49,9 @@ class RunRecord:
 class Recorder:
     """Turns a stream of rounds (accepted drafts, drafted count, emitted count) into a record."""
 
-    def __init__(self, rec: RunRecord, started: float | None = None):
+    def __init__(self, rec: RunRecord):
         self.rec = rec
-        self.started = time.perf_counter() if started is None else started
+        self.started = time.perf_counter()  # the run's start: its first token comes after
         self.first_at: float | None = None
         self.last_at = 0.0
 
