@@ -104,3 +104,11 @@ def test_doctor_lists_every_switch_with_its_value(monkeypatch):
     assert "whole number" in by_name["MACSPEC_NATIVE_THREADS"]["error"]
     assert by_name["MACSPEC_KERNAL"]["error"] == "no switch has this name"
     assert by_name["MACSPEC_NATIVE_BLOCKS"]["read"] == "at import"
+
+
+def test_every_switch_defined_is_listed_in_all():
+    """A switch missing from ALL would be called unknown when set, and left out of doctor."""
+    from macspec import switches as module
+
+    defined = {v.name for v in vars(module).values() if isinstance(v, module.Switch)}
+    assert defined == {s.name for s in module.ALL}
