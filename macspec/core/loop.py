@@ -17,7 +17,7 @@ from time import perf_counter
 import mlx.core as mx
 
 from ..errors import OptionError
-from . import hooks, memory
+from . import memory
 from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import DistFn, Drafter, catch_up_time
@@ -203,13 +203,13 @@ def _next_k(
 ) -> int | TreeShape:
     """The next round's drafts: none for the first token or without a drafter, else the
     policy's, never past max_tokens or the context (a round emits at most k + 1 ids), nor
-    wider than the backend computes each row alike to a pass of its own (hooks.alike_rows)."""
+    wider than the backend computes each row alike to a pass of its own (Target.widest)."""
     if drafter is None or generated == 0:
         return 0
     launched = target.ahead is not None
     k = policy.next_k(_label(policy, drafter, launched, target.offset), launched, target.offset)
     # No wider pass than gives every row a plain step's bits (else a near-tie may go otherwise).
-    widest = hooks.alike_rows(target.model)
+    widest = target.widest
     room = room if widest is None else min(room, widest)
     return fit(k, room - 1, widest) if isinstance(k, TreeShape) else min(k, room - 1)
 

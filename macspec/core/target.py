@@ -3,11 +3,13 @@ ahead of its id), its hidden states for drafters that read them, and exact rewin
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import CacheError
-from . import caches
+from . import caches, hooks
 from .memory import clear_on_gpu
 
 
@@ -57,6 +59,12 @@ class Target:
             self.hidden = mx.concatenate(chunks) if chunks else None
         else:
             caches.prefill(self.model, self.cache, prompt[done:-1])
+
+    @cached_property
+    def widest(self) -> int | None:
+        """The most ids a pass may hold for each row to get the bits of a pass of its own
+        (hooks.alike_rows; None: any): asked once, a target is made for each generation."""
+        return hooks.alike_rows(self.model)
 
     @property
     def offset(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -58,13 +59,15 @@ def setup() -> dict:
         "repack": products.repack_weights,
         # Which pass takes which kernel is decided here (a 17-row pass left the native ones
         # before 2026-12-02): changed, measured again.
-        "routing": _ROUTING,
+        "routing": _routing(),
     }
 
 
-_ROUTING = hashlib.sha256(
-    b"".join(Path(m.__file__).read_bytes() for m in (kernels, products, blocks))
-).hexdigest()[:16]
+@cache
+def _routing() -> str:
+    return hashlib.sha256(
+        b"".join(Path(m.__file__).read_bytes() for m in (kernels, products, blocks))
+    ).hexdigest()[:16]
 
 
 HOOKS = hooks.Hooks(
