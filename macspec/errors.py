@@ -25,7 +25,7 @@ class CompatError(MacspecError):
     """Draft and target do not share a tokenizer, so speculation would not be exact."""
 
 
-class ConvertError(MacspecError):
+class ConvertError(ModelError):
     """Fetching or converting a model failed; nothing was written to the store."""
 
 

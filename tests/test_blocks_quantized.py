@@ -70,22 +70,60 @@ def test_a_step_and_every_verification_row_agree_bit_for_bit(module, native_call
     assert native_calls["attn_mlp"] == (1 + 16 + 3 * 2) * 2
 
 
-def test_layers_quantized_unalike_run_op_by_op_and_say_why_once(native_calls, caplog, monkeypatch):
+def test_layers_quantized_in_other_group_sizes_run_op_by_op_and_say_why_once(
+    native_calls, caplog, monkeypatch
+):
     monkeypatch.setattr(blocks, "_told", set())
 
-    def q_at_8_bits(path, m):
+    def q_in_groups_of_32(path, m):
         if not hasattr(m, "to_quantized"):
             return False
-        return {"group_size": 64, "bits": 8} if path.endswith("q_proj") else True
+        return {"group_size": 32, "bits": 4} if path.endswith("q_proj") else True
 
-    model = _quantized(llama, 4, 64, False, q_at_8_bits)
+    model = _quantized(llama, 4, 64, False, q_in_groups_of_32)
     with caplog.at_level(logging.INFO, logger="macspec.cpu"):
         got = chunk_logits(model, CHUNKS[:3])
     assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == 0
     said = [r.getMessage() for r in caplog.records if "op by op" in r.getMessage()]
-    assert len(said) == 1 and "different bits" in said[0]  # two layers, three passes
+    assert len(said) == 1 and "different group sizes" in said[0]  # two layers, three passes
     for a, b in zip(_one_op_at_a_time(model, CHUNKS[:3]), got, strict=True):
         np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("repack", [True, False])
+@pytest.mark.parametrize("group", [32, 64])
+def test_layers_mixing_4_and_8_bits_fuse_and_equal_the_ops_bit_for_bit(
+    group, repack, native_calls, monkeypatch
+):
+    """As a GGUF's Q4_K_M: v and down products at 8 bits beside 4-bit ones, one group size
+    (repacked where this build repacks each), the fused layers the ops' bits at every row count,
+    and every verification row a plain step's."""
+    monkeypatch.setattr(products, "repack_weights", repack)
+
+    def v_and_down_at_8(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        eight = path.endswith(("v_proj", "down_proj"))
+        return {"group_size": group, "bits": 8 if eight else 4}
+
+    model = _quantized(qwen2, 4, group, False, v_and_down_at_8)
+    if repack:
+        products.repack(model)
+    layer = model.model.layers[0]
+    assert (layer.mlp.down_proj.bits, layer.mlp.gate_proj.bits) == (8, 4)
+    want_packed = repack and ext.q4_packs()
+    assert products.repacked(layer.mlp.gate_proj) == want_packed
+    assert products.repacked(layer.mlp.down_proj) == (want_packed and ext.q8_packs())
+    ops = _one_op_at_a_time(model, CHUNKS)
+    fused = chunk_logits(model, CHUNKS)
+    assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == len(CHUNKS) * 2
+    for a, b in zip(ops, fused, strict=True):
+        np.testing.assert_array_equal(b, a)
+    rows = list(range(20, 36))
+    steps = chunk_logits(model, [PROMPT, *([r] for r in rows)])[1:]
+    verified = chunk_logits(model, [PROMPT, rows])[1]
+    for i in range(len(rows)):
+        np.testing.assert_array_equal(verified[i], steps[i][0])
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def test_quantize_4bit_with_8bit_embeddings(tiny):
     assert model.model.embed_tokens.bits == 8
     assert model.model.layers[0].self_attn.q_proj.bits == 4
     info = model_info(path)
-    assert info.bits == "4/8-bit"
+    assert info.bits == "4/8-bit g32"
     assert info.parameters == model_info(tiny).parameters
     # 4-bit of a random model is lossy but the same model: logits stay strongly correlated
     a, b = _logits(path).ravel(), _logits(tiny).ravel()

@@ -97,12 +97,12 @@ def test_block_formats_kept_or_dequantized(source, tmp_path, kind, bits):
     reference = hf_to_gguf(source, gguf, kind)
     expected = _reference_logits(source, reference)
 
-    kept, config = load_model(convert(str(gguf), f"{kind}-keep", q="keep", dtype="float32"))
+    kept, config = load_model(convert(str(gguf), f"{kind}-keep", dtype="float32"))  # the default
     assert config["quantization"]["bits"] == bits
     assert config["quantization"]["group_size"] == 32
     np.testing.assert_allclose(_logits(kept), expected, atol=2e-3)
 
-    full, config = load_model(convert(str(gguf), output=f"{kind}-f32", dtype="float32"))
+    full, config = load_model(convert(str(gguf), f"{kind}-f32", q="none", dtype="float32"))
     assert "quantization" not in config
     np.testing.assert_allclose(_logits(full), expected, atol=1e-4)
 
@@ -275,5 +275,5 @@ def test_progress_and_keep_report(tmp_path, monkeypatch, capsys):
     total = len(mgguf.read_header(path).tensors)
     assert f"tensors {total}/{total} (100% of the data)" in err and "s left" in err
     assert "kept as MLX blocks: nothing" in err
-    assert "Q5_0 tensors have no MLX block format, decoded to bfloat16: " in err  # Qwen's dtype
+    assert "Q5_0 tensors have no MLX block format, decoded to float32: " in err  # the CPU's
     assert "blk.*.attn_q.weight (2)" in err

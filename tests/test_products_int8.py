@@ -290,7 +290,7 @@ def q4_pair_in(root: Path, hidden: int, group: int = 32) -> macspec.Pair:
 @pytest.fixture(scope="module", params=[32, 64])
 def q4_pair(tmp_path_factory, request):
     pair = q4_pair_in(tmp_path_factory.mktemp("q4"), hidden=64, group=request.param)
-    assert _repacked(pair.target) == (request.param == 64 and ext.q4_packs())
+    assert _repacked(pair.target) == (request.param in (32, 64) and ext.q4_packs())
     return pair
 
 
@@ -317,7 +317,7 @@ def test_greedy_speculation_on_a_4bit_target_equals_plain_decoding(q4_pair, monk
 
 @pytest.fixture(scope="module", params=[32, 64])
 def q4_small_pair(tmp_path_factory, request):
-    """test_exactness's small pair, both models at 4 bits (in groups of 64: repacked)."""
+    """test_exactness's small pair, both models at 4 bits (in groups of 32 or 64: repacked)."""
     root = tmp_path_factory.mktemp("q4small")
     group = request.param
     kw = {"chars": SMALL, "scale": 8.0, "vocab_rows": 9, "tie": False, "seed": 3, "hidden": group}
@@ -327,7 +327,7 @@ def q4_small_pair(tmp_path_factory, request):
         _quantized_copy(target, root / "tq", group=group),
         _quantized_copy(draft, root / "dq", group=group),
     )
-    assert _repacked(pair.target) == (group == 64 and ext.q4_packs())
+    assert _repacked(pair.target) == (group in (32, 64) and ext.q4_packs())
     pair.eos_token_ids = frozenset()  # every sequence has the full length
     return pair
 

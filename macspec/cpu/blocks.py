@@ -50,14 +50,15 @@ def _is(module: Any, cls: type) -> bool:
 
 
 def _layout(linears: tuple) -> tuple[int, int] | str:
-    """(bits, group size) of the layer's products, all float32 (32, 0) or all quantized alike as
-    the native products take them; else why not."""
+    """(bits, group size) of the layer's products, all float32 (32, 0) or all quantized as the
+    native products take them, in one group size (the kernels read each matrix's bits off its
+    shapes: a GGUF's Q4_K_M mixes 4 and 8); else why not."""
     if all(_is(m, nn.Linear) and m.weight.dtype == mx.float32 for m in linears):
         return 32, 0
     if not all(_is(m, nn.QuantizedLinear) and products.quantized_ok(m) for m in linears):
         return "its products are neither all float32 nor all affine 4/8-bit quantized"
-    if len({(m.bits, m.group_size) for m in linears}) > 1:
-        return "its products are quantized with different bits or group sizes"
+    if len({m.group_size for m in linears}) > 1:
+        return "its products are quantized in different group sizes"
     if not products.int8_activations and any(products.repacked(m) for m in linears):
         return "its weights are repacked for int8 activations, which are switched off"
     return linears[0].bits, linears[0].group_size

@@ -109,14 +109,15 @@ def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     return type(self)._macspec_stock.__call__(self, x)
 
 
-# ---------------------------------------------------------------- 4-bit weights repacked at load
+# -------------------------------------------------------------------- weights repacked at load
 #
-# With AVX-512 or AVX2 the int8 products take 4-bit weights in groups of 64 repacked once: each
-# 16-row block's words transposed (weights (N / 16, K / 64, 128), scales and biases
-# (N / 16, K / 64, 16); csrc/cpu_q4packed.cpp), which the kernels otherwise do in every pass. The
-# arrays replace the module's own (no second copy); the same bits come out. Anything that would
-# read them as MLX's layout (mlx's own product, float activations, `kernels.stock`) unpacks them
-# first; their new shapes make mlx refuse them rather than misread them.
+# With AVX-512 or AVX2 the int8 products take 4-bit weights in groups of 64 or 32 (AVX-512: 8-bit
+# too) repacked once: each 16-row block's words transposed (weights (N / 16, K / G, G bits / 2),
+# scales and biases (N / 16, K / G, 16); csrc/cpu_q4packed.cpp), which the kernels otherwise do in
+# every pass. The arrays replace the module's own (no second copy); the same bits come out.
+# Anything that would read them as MLX's layout (mlx's own product, float activations,
+# `kernels.stock`) unpacks them first; their new shapes make mlx refuse them rather than misread
+# them.
 
 
 def repacked(m: nn.Module) -> bool:
@@ -124,7 +125,8 @@ def repacked(m: nn.Module) -> bool:
 
 
 def packable(m: nn.Module) -> bool:
-    """`m` is a 4-bit product in groups of 64 that this build takes repacked."""
+    """`m` is a 4-bit (or, on AVX-512, 8-bit) product in groups of 64 or 32 that this build
+    takes repacked."""
     ext = native.load()
     return (
         ext is not None
@@ -134,8 +136,8 @@ def packable(m: nn.Module) -> bool:
         and ext.q4_packs()
         and isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and quantized_ok(m)
-        and m.bits == 4
-        and m.group_size == 64
+        and (m.bits == 4 or (m.bits == 8 and ext.q8_packs()))
+        and m.group_size in (32, 64)
         and m.weight.ndim == 2
         and m.weight.shape[0] % 16 == 0
     )
@@ -147,9 +149,10 @@ def pack(m: nn.Module) -> None:
         return
     w, s, b = m.weight, m.scales, m.biases
     n, words = w.shape
-    blocks, groups = n // 16, words // 8
-    m.weight = mx.contiguous(w.reshape(blocks, 16, groups, 8).transpose(0, 2, 3, 1)).reshape(
-        blocks, groups, 128
+    per = m.group_size * m.bits // 32  # words a group
+    blocks, groups = n // 16, words // per
+    m.weight = mx.contiguous(w.reshape(blocks, 16, groups, per).transpose(0, 2, 3, 1)).reshape(
+        blocks, groups, 16 * per
     )
     m.scales, m.biases = (
         mx.contiguous(a.reshape(blocks, 16, groups).transpose(0, 2, 1)) for a in (s, b)
@@ -161,9 +164,10 @@ def unpack(m: nn.Module) -> None:
     """`m`'s weights back in MLX's layout (a no-op where they are)."""
     if not repacked(m):
         return
-    blocks, groups, _ = m.weight.shape
-    w = m.weight.reshape(blocks, groups, 8, 16).transpose(0, 3, 1, 2)
-    m.weight = mx.contiguous(w).reshape(blocks * 16, groups * 8)
+    blocks, groups, lanes = m.weight.shape
+    per = lanes // 16
+    w = m.weight.reshape(blocks, groups, per, 16).transpose(0, 3, 1, 2)
+    m.weight = mx.contiguous(w).reshape(blocks * 16, groups * per)
     m.scales, m.biases = (
         mx.contiguous(a.transpose(0, 2, 1)).reshape(blocks * 16, groups)
         for a in (m.scales, m.biases)
@@ -199,9 +203,9 @@ def take_rows(m: nn.Module, name: str, ids: mx.array) -> mx.array:
     a = m[name]
     if not (repacked(m) and name in ("weight", "scales", "biases")):
         return mx.take(a, ids, axis=0)
-    # Weights [b][g][c * 16 + r] = W[16b + r][8g + c]; scales, biases [b][g][r] = S[16b + r][g].
+    # Weights [b][g][c * 16 + r] = W[16b + r][words * g + c]; scales [b][g][r] = S[16b + r][g].
     _, groups, width = a.shape
-    words = width // 16  # 8 words a group of weights, 1 scale
+    words = width // 16  # words a group of weights (8 or 4), 1 scale
     ids = ids.astype(mx.uint32)
     start = (ids // 16) * (groups * width) + ids % 16
     within = (mx.arange(groups)[:, None] * width + mx.arange(words)[None] * 16).reshape(-1)

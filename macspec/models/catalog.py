@@ -179,14 +179,14 @@ def models(*, pairs: bool = False, json_output: bool = False) -> int:
             "model fetches the embedded default."
         )
         return 0
-    rows = [["NAME", "ARCH", "PARAMS", "BITS", "SIZE", "TOKENIZER", "ACCEPTANCE", "MTP"]]
+    rows = [["NAME", "ARCH", "PARAMS", "FORMAT", "SIZE", "TOKENIZER", "ACCEPTANCE", "MTP"]]
     for i in infos:
         rows.append(
             [
                 i.name,
                 i.architecture,
                 _human(i.parameters, "") if i.parameters else "?",
-                i.bits,
+                i.bits + (f" ({'/'.join(i.kept)} kept)" if i.kept else ""),
                 _human(i.size_bytes),
                 i.fingerprint,
                 i.acceptance or "",

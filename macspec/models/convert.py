@@ -163,6 +163,8 @@ def _transform(model: Any, config: dict, q: str, group_size: int, dtype: str, em
     cast = getattr(model, "cast_predicate", lambda _: True)
 
     def set_dtype(k, v):
+        if q == "keep" and k.endswith((".scales", ".biases")):  # as the source's blocks hold them
+            return v
         if cast(k) and mx.issubdtype(v.dtype, mx.floating):
             return v.astype(target)
         return v
@@ -198,16 +200,25 @@ def _write(model: Any, tokenizer: Any, config: dict, src: Path, out: Path, info:
     (out / INFO_FILE).write_text(json.dumps(info, indent=2))
 
 
-def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> None:
+def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> list[str]:
     """Decode the GGUF into an intermediate directory (in the final dtype, so that nothing is
-    held in float32 but one tensor) and say what -q keep could not keep."""
+    held in float32 but one tensor) and say what -q keep could not keep. Kept blocks' scales are
+    written in `dtype` too: float32 (the CPU's default) holds them exactly."""
     from .gguf import gguf_to_hf
 
     _say(f"reading {src}")
-    report = gguf_to_hf(src, out, dtype=dtype, keep=q == "keep")
+    scales = dtype or "float16"
+    report = gguf_to_hf(src, out, dtype=dtype, keep=q == "keep", scales=scales)
     if q == "keep":
         for line in report.keep_summary().splitlines():
             _say(line)
+    elif q in ("4", "8"):
+        _say(
+            f"-q {q} quantizes the file's values again, which moves its answers: measure by how "
+            f"much with `macspec eval NAME TEXT --reference {src}` (the default, -q keep, keeps "
+            "its blocks)"
+        )
+    return sorted(report.kept) if q == "keep" else []
 
 
 def _backend_dtype(kind: str, src: Path) -> str | None:
@@ -339,7 +350,7 @@ def _heads(found: Any, model: Any, config: dict, opts: dict, source: str):
 def convert(
     source: str,
     output: str | None = None,
-    q: str = "none",
+    q: str | None = None,
     group_size: int = 64,
     dtype: str | None = None,
     force: bool = False,
@@ -350,20 +361,23 @@ def convert(
     """Convert `source` into the store as `output` (default: derived from the source name).
 
     q: "4"/"8" quantize (affine, `group_size`); "none" keeps full precision (dequantizing a
-    quantized source); "keep" keeps a source's quantization (e.g. a GGUF's Q4_1/Q8_0 blocks as-is).
+    quantized source); "keep" keeps a source's quantization (a GGUF's blocks: gguf_blocks). The
+    default: "keep" for a GGUF file, whose blocks are the model the user chose; else "none".
     dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: on the CPU backend
     float32, MLX's fast type there; elsewhere the source's, else float16). embed_8bit: keep the
     embeddings and the output head at 8 bits when quantizing.
     Returns the new model's directory.
     """
-    q = _checked_options(q, group_size, dtype, mtp)
+    asked, q = q, _checked_options(q or "none", group_size, dtype, mtp)
     kind, src = _source_kind(source)
+    if asked is None and kind == "gguf":
+        q = "keep"
     name = validate_name(output) if output else None  # a bad name fails before any download
     if name is not None and (store_root() / name).exists() and not force:
         raise ConvertError(f"{store_root() / name} already exists; pass --force to replace it")
     if kind == "hub":
         src = download(src, revision)  # into the Hugging Face cache, before touching the store
-    if dtype is None and q == "none":
+    if dtype is None and (q == "none" or (q == "keep" and kind == "gguf")):
         dtype = _backend_dtype(kind, src)
     name = name or _default_name(kind, source, q, dtype)
     dest = store_root() / name
@@ -404,9 +418,9 @@ def _convert_into(
     q = opts["q"]
     if kind == "gguf":
         model_src = tmp / ".gguf-raw"  # intermediate mlx-lm layout, removed before publishing
-        _from_gguf(src, model_src, q, dtype)
+        kept = _from_gguf(src, model_src, q, dtype)
     else:
-        model_src = src
+        model_src, kept = src, []
     config = check_safe(model_src)
     chosen = dtype or config.get("torch_dtype") or config.get("dtype")
     opts = {**opts, "dtype": chosen if chosen in DTYPES else "float16"}
@@ -422,6 +436,8 @@ def _convert_into(
         model, config, q, opts["group_size"], opts["dtype"], opts["embed_8bit"]
     )
     info = _info(shown, kind, opts, heads[0].describe() if heads else None)
+    if kept:
+        info["kept"] = kept  # the GGUF block types held as they are in the file
     try:
         if heads:
             mtp_heads.write(tmp, *heads)  # beside the model, as models/mtp.py reads them
@@ -459,9 +475,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "-q",
         dest="q",
-        default="none",
+        default=None,
         choices=Q_CHOICES,
-        help="quantize to 4 or 8 bits, 'none' for full precision, 'keep' a source's quantization",
+        help="quantize to 4 or 8 bits, 'none' for full precision, 'keep' a source's quantization "
+        "(default: keep for a GGUF file, whose blocks stay as they are; else none)",
     )
     p.add_argument("--group-size", type=int, default=64, choices=GROUP_SIZES)
     p.add_argument("--dtype", choices=DTYPES, help="dtype of unquantized tensors")

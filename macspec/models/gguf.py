@@ -22,8 +22,8 @@ import numpy as np
 from ..errors import ConvertError
 from ..logs import progress
 from . import gguf_arch
+from .gguf_blocks import KEPT, keep_tensor
 from .gguf_read import (
-    KEEP_BITS,
     GGUFFile,
     TensorInfo,
     decode,
@@ -33,7 +33,6 @@ from .gguf_read import (
     readable_types,
     row_chunks,
 )
-from .gguf_read import to_affine as _to_affine
 from .gguf_tokenizer import build_tokenizer
 
 log = logging.getLogger("macspec.models")
@@ -61,10 +60,36 @@ class Report:
     decoded: dict[str, list[str]] = field(default_factory=dict)  # GGUF type -> tensor names
     config: dict = field(default_factory=dict)
     dtype: str = "float16"  # what the decoded tensors were written as
+    scales: str = "float32"  # what the kept blocks' scales and biases were written as
+    weights: Counter = field(default_factory=Counter)  # GGUF type -> weights kept
+    rounded: Counter = field(default_factory=Counter)  # GGUF type -> weights not kept exactly
+    worst: dict[str, float] = field(default_factory=dict)  # GGUF type -> largest error, in steps
+    scale_moved: float = 0.0  # largest relative change of a scale or bias by a 16-bit dtype
 
     def keep_summary(self) -> str:
-        kept = ", ".join(f"{n} {t}" for t, n in sorted(self.kept.items()))
+        kept = ", ".join(
+            f"{n} {t} as {KEPT[t][0]}-bit groups of 32" for t, n in sorted(self.kept.items())
+        )
         lines = [f"-q keep: kept as MLX blocks: {kept or 'nothing'}"]
+        exact = [t for t in sorted(self.kept) if not self.rounded[t]]
+        if exact:
+            lines.append(
+                f"-q keep: {', '.join(exact)}: every weight exactly the file's"
+                + (" in float32" if self.scales == "float32" else "")
+            )
+        for t in sorted(self.rounded):
+            share = self.rounded[t] / max(self.weights[t], 1)
+            lines.append(
+                f"-q keep: {t} has 16-weight sub-blocks, which no MLX group holds: "
+                f"{share:.0%} of its weights rounded to the 8-bit grid, at most "
+                f"{self.worst[t]:.2f} of their group's coarser step (`macspec eval` measures "
+                "the KL)"
+            )
+        if self.kept and self.scales != "float32":
+            lines.append(
+                f"-q keep: scales and biases stored as {self.scales}, rounded by up to "
+                f"{self.scale_moved:.1e} of their value (--dtype float32 keeps them exactly)"
+            )
         for t, names in sorted(self.decoded.items()):
             if t in ("F32", "F16", "BF16"):
                 continue
@@ -165,6 +190,33 @@ def _decode(path: Path, info: TensorInfo, target: gguf_arch.Target, dtype: str) 
     return out.reshape(target.shape)
 
 
+def _moved(a: np.ndarray, dtype: str) -> float:
+    """Largest |a - a in dtype| / |a| over a's nonzero entries."""
+    b = np.array(mx.array(a).astype(_DTYPES[dtype]).astype(mx.float32))
+    nz = a != 0
+    return float((np.abs(b - a)[nz] / np.abs(a[nz])).max(initial=0.0))
+
+
+def _keep(gf: GGUFFile, info: TensorInfo, target: gguf_arch.Target, writer, report: Report):
+    kept = keep_tensor(gf.path, info)
+    arrays = [kept.weight, kept.scales, kept.biases]
+    if target.qk_heads:
+        arrays = [gguf_arch.unpermute(a, target.qk_heads) for a in arrays]
+    weight, scales, biases = arrays
+    module = target.name.removesuffix(".weight")
+    writer.add(target.name, mx.array(weight))
+    for name, a in (("scales", scales), ("biases", biases)):
+        if report.scales != "float32":
+            report.scale_moved = max(report.scale_moved, _moved(a, report.scales))
+        writer.add(f"{module}.{name}", mx.array(a).astype(_DTYPES[report.scales]))
+    kind = info.type_name
+    report.kept[kind] += 1
+    report.weights[kind] += int(np.prod(info.shape))
+    if kept.inexact:
+        report.rounded[kind] += kept.inexact
+        report.worst[kind] = max(report.worst.get(kind, 0.0), kept.worst)
+
+
 def _write_weights(
     gf: GGUFFile, targets: dict, out_dir: Path, dtype: str, keep: bool, report: Report
 ) -> dict:
@@ -176,17 +228,9 @@ def _write_weights(
         info: TensorInfo = gf.tensors[gname]
         kind = info.type_name
         module = target.name.removesuffix(".weight")
-        if keep and kind in KEEP_BITS and target.quantizable and info.shape == target.shape:
-            weight, scales, biases = _to_affine(gf.path, info)
-            if target.qk_heads:
-                weight, scales, biases = (
-                    gguf_arch.unpermute(a, target.qk_heads) for a in (weight, scales, biases)
-                )
-            writer.add(target.name, mx.array(weight))
-            writer.add(f"{module}.scales", mx.array(scales))
-            writer.add(f"{module}.biases", mx.array(biases))
-            layers[module] = {"group_size": GGUF_GROUP_SIZE, "bits": KEEP_BITS[kind]}
-            report.kept[kind] += 1
+        if keep and kind in KEPT and target.quantizable and info.shape == target.shape:
+            _keep(gf, info, target, writer, report)
+            layers[module] = {"group_size": GGUF_GROUP_SIZE, "bits": KEPT[kind][0]}
         else:
             writer.add(target.name, _decode(gf.path, info, target, dtype))
             report.decoded.setdefault(kind, []).append(gname)
@@ -218,14 +262,17 @@ def prepare(path: Path) -> tuple[GGUFFile, dict, gguf_arch.Arch, dict]:
     return gf, config, spec, targets
 
 
-def gguf_to_hf(path: Path, out_dir: Path, dtype: str | None = None, keep: bool = False) -> Report:
-    """Write `path` as an mlx-lm model directory into `out_dir`; `keep` keeps Q8_0/Q4_0/Q4_1
-    blocks packed (MLX affine, group size 32), everything else is decoded to `dtype` (default:
-    the architecture's usual checkpoint dtype)."""
+def gguf_to_hf(
+    path: Path, out_dir: Path, dtype: str | None = None, keep: bool = False, scales: str = "float32"
+) -> Report:
+    """Write `path` as an mlx-lm model directory into `out_dir`; `keep` keeps the blocks MLX can
+    hold (gguf_blocks: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K exactly, Q6_K at 8 bits) as MLX affine groups
+    of 32 with `scales`-typed scales, everything else is decoded to `dtype` (default: the
+    architecture's usual checkpoint dtype)."""
     gf, config, spec, targets = prepare(path)
     tok, tok_config, stops = build_tokenizer(gf.metadata, path, spec.family)
     dtype = dtype or spec.dtype
-    report = Report(config=config, dtype=dtype)
+    report = Report(config=config, dtype=dtype, scales=scales)
     out_dir.mkdir(parents=True, exist_ok=True)
     quant = _write_weights(gf, targets, out_dir, dtype, keep, report)
     if quant:

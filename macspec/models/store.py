@@ -225,8 +225,11 @@ def weights_summary(path: Path, config: dict) -> tuple[int, str]:
                 dtypes[info.get("dtype")] = dtypes.get(info.get("dtype"), 0) + count
             params += count
     if quant:
-        bits = {quant.get("bits")} | {v["bits"] for v in quant.values() if isinstance(v, dict)}
-        label = "/".join(str(b) for b in sorted(b for b in bits if b)) + "-bit"
+        layers = [quant] + [v for v in quant.values() if isinstance(v, dict)]
+        bits = {q.get("bits") for q in layers} - {None}
+        groups = {q.get("group_size") for q in layers} - {None}
+        label = "/".join(str(b) for b in sorted(bits)) + "-bit"
+        label += " g" + "/".join(str(g) for g in sorted(groups)) if groups else ""
     else:
         main = max(dtypes, key=dtypes.get) if dtypes else "?"
         label = {"F32": "f32", "F16": "f16", "BF16": "bf16"}.get(main, str(main).lower())
@@ -304,6 +307,7 @@ class ModelInfo:
     source: str | None = None
     acceptance: str | None = None
     mtp: str | None = None  # the MTP heads kept beside the model (models/mtp.py), if any
+    kept: tuple[str, ...] = ()  # GGUF block types kept as the file holds them (convert -q keep)
 
 
 def model_info(path: Path) -> ModelInfo:
@@ -325,6 +329,7 @@ def model_info(path: Path) -> ModelInfo:
         size_bytes=size,
         fingerprint=tokenizer_fingerprint(path),
         source=_read_json(path / INFO_FILE).get("source"),
+        kept=tuple(_read_json(path / INFO_FILE).get("kept", ())),
         acceptance=_acceptance(report) if report else None,
         mtp=mtp.summary(path),
     )

@@ -11,7 +11,9 @@
 namespace macspec {
 
 // How a block's weight matrices are stored: float32 (one array each; bits 32) or MLX's affine
-// layout (packed weights, scales, biases), and whether the quantized products take int8 x.
+// layout (packed weights, scales, biases) in groups of `group`, and whether the quantized products
+// take int8 x. Quantized matrices may differ in bits (a GGUF's Q4_K_M mixes 4 and 8): each one's
+// are read off its shapes (bits_of), `bits` only tells float32 from quantized.
 struct Mats {
   int bits = 32, group = 0;
   bool int8 = false;
@@ -34,8 +36,22 @@ struct Job {
 void run_products(const Mats& w, const std::vector<mx::array>& in, int first, const Job* jobs,
                   int count, int M);
 
-inline int cols(const mx::array& w, const Mats& m) {  // K of a matrix stored as w
-  return matrix_cols(w, m.bits);
+// K of the matrix whose arrays start at in[i]: a quantized one's from its scales' groups.
+inline int cols(const std::vector<mx::array>& in, size_t i, const Mats& m) {
+  if (m.bits == 32) {
+    return matrix_cols(in[i], 32);
+  }
+  return in[i + 1].shape(1) * m.group;  // scales (N, groups) or (N / 16, groups, 16)
+}
+
+// Bits of the matrix whose arrays start at in[i] (0 where its shapes hold no whole number).
+inline int bits_of(const std::vector<mx::array>& in, size_t i, const Mats& m) {
+  if (m.bits == 32) {
+    return 32;
+  }
+  const long K = cols(in, i, m);
+  const long bits = in[i].ndim() == 3 ? 2L * in[i].shape(1) * in[i].shape(2) : 32L * in[i].shape(1);
+  return K > 0 && bits % K == 0 ? (int)(bits / K) : 0;
 }
 
 // Refuses inputs[from, to) unless they are row-contiguous, as the products read them.

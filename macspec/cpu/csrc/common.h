@@ -292,17 +292,19 @@ void run_joined(const int* N, const int* row_bytes, int count, const Fn& fn) {
 }
 
 // Rows and columns of a weight matrix stored as `w`: float32 (N, K), MLX's affine layout
-// (N, K * bits / 32), or 4-bit weights repacked at load (N / 16, K / 64, 128; cpu_q4packed.cpp).
+// (N, K * bits / 32), or weights repacked at load (N / 16, K / G, G * bits / 2 for groups of
+// G = 32 or 64 and 4 or 8 bits; cpu_q4packed.cpp).
 inline int matrix_rows(const mx::array& w) {
   return w.ndim() == 3 ? w.shape(0) * 16 : w.shape(0);
 }
 inline int matrix_cols(const mx::array& w, int bits) {
-  return w.ndim() == 3 ? w.shape(1) * 64 : bits == 32 ? w.shape(1) : w.shape(1) * 32 / bits;
+  return w.ndim() == 3 ? w.shape(1) * w.shape(2) * 2 / bits
+                       : bits == 32 ? w.shape(1) : w.shape(1) * 32 / bits;
 }
 
 // Weights and scales (or biases) in the shapes cpu_q4packed.cpp's repacking gives them.
 inline bool packed_shapes(const mx::array& w, const mx::array& scales) {
-  return w.ndim() == 3 && w.shape(2) == 128 &&
+  return w.ndim() == 3 && (w.shape(2) == 64 || w.shape(2) == 128 || w.shape(2) == 256) &&
          scales.shape() == mx::Shape{w.shape(0), w.shape(1), 16};
 }
 

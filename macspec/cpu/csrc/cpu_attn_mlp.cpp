@@ -64,7 +64,7 @@ class AttnMlp : public LayerOp {
     encoder.dispatch([in = inputs, y = outputs[0].data<float>(), w = w_, scale = scale_,
                       causal = causal_, eps = eps_, has_mask = mask_]() {
       std::vector<float> hs, ws;
-      const int L = in[0].shape(1), D = in[0].shape(2), A = cols(in[W0], w);
+      const int L = in[0].shape(1), D = in[0].shape(2), A = cols(in, W0, w);
       std::vector<float> a((size_t)L * A);
       attend_rows(in[1], in[2], in[3], has_mask ? in.back().data<bool>() : nullptr, scale,
                   causal, a.data());

@@ -50,7 +50,7 @@ void run_products(const Mats& w, const std::vector<mx::array>& in, int first, co
     const mx::array& a = in[i];
     q[j] = {a.data<uint8_t>(), in[i + 1].data<void>(), in[i + 2].data<void>(),
             scale_type(in[i + 1].dtype()), jobs[j].x, jobs[j].y, M, matrix_rows(a),
-            matrix_cols(a, w.bits), w.bits, w.group, a.ndim() == 3};
+            cols(in, i, w), bits_of(in, i, w), w.group, a.ndim() == 3};
   }
   if (w.int8) {
     q_int8_products(q, count);
@@ -151,7 +151,9 @@ Mats layout(int bits, int group_size, bool int8) {
 // Weights, scales and biases repacked at load (cpu_q4packed.cpp), in the shapes it names, where
 // this build takes them.
 static bool packed_layout(const std::vector<mx::array>& m, const Mats& w) {
-  return w.bits == 4 && w.group == 64 && w.int8 && q4_packs() && packed_shapes(m[0], m[1]);
+  const int bits = bits_of(m, 0, w);
+  return w.bits != 32 && m[0].ndim() == 3 && (bits == 4 || (bits == 8 && q8_packs())) &&
+         w.int8 && q4_packs() && packed_shapes(m[0], m[1]);
 }
 
 int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, int K, const char* what) {
@@ -167,8 +169,9 @@ int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, int K, c
                m[1].dtype() == mx::bfloat16)) {
     throw refused(what, ": uint32 weights, and scales and biases of one type and shape");
   }
+  const int bits = bits_of(m, 0, w);
   if (!(a.ndim() == 2 || packed_layout(m, w)) || (N >= 0 && matrix_rows(a) != N) ||
-      cols(a, w) != K ||
+      cols(m, 0, w) != K || (bits != 32 && bits != 4 && bits != 8) ||
       (w.bits != 32 && a.ndim() == 2 &&
        (K % w.group || m[1].shape(0) != a.shape(0) || m[1].shape(1) != K / w.group))) {
     throw refused(what, " of the wrong shape");

@@ -231,10 +231,12 @@ mx::array linear(const mx::array& x, const mx::array& w) {
 // qlinear for 4-bit weights repacked at load (cpu_q4packed.cpp): int8 products only.
 mx::array packed_qlinear(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, bool int8) {
-  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || bits != 4 || group_size != 64 ||
-      !int8 || !q4_packs() || !packed_shapes(w, scales) || x.shape(-1) != w.shape(1) * 64 ||
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || !(bits == 4 || bits == 8) ||
+      (bits == 8 && !q8_packs()) || group_size != w.shape(2) * 2 / bits || !int8 ||
+      !q4_packs() || !packed_shapes(w, scales) ||
+      x.shape(-1) != matrix_cols(w, bits) ||
       biases.shape() != scales.shape() || biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument("[macspec qlinear] repacked weights: 4-bit, groups of 64, int8");
+    throw std::invalid_argument("[macspec qlinear] repacked weights: 4 or 8 bits, groups of 32 or 64, int8");
   }
   auto shape = x.shape();
   shape.back() = matrix_rows(w);
@@ -295,6 +297,7 @@ NB_MODULE(_macspec_cpu, m) {
       nb::arg("bits"),
       nb::arg("int8") = false);
   m.def("q4_packs", &macspec::q4_packs);  // whether qlinear takes 4-bit weights repacked
+  m.def("q8_packs", &macspec::q8_packs);  // and 8-bit ones
   m.def("int8_isa", []() -> nb::object {  // the int8 products' instructions, or None
     const char* isa = macspec::int8_isa();
     return isa ? nb::object(nb::str(isa)) : nb::none();

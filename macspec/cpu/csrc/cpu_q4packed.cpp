@@ -1,4 +1,4 @@
-// 4-bit weights in groups of 64 repacked once, at load, for the int8 products (AVX-512, AVX2):
+// 4-bit weights in groups of 64 or 32 repacked once, at load, for the int8 products (AVX-512, AVX2):
 // each 16-row block's words transposed ahead of time, so that a vector holds one word (8 weights)
 // of each of its 16 rows, as q8_chunk's and cpu_q4wide.cpp's transposes make them on the fly in
 // every pass; and its scales and biases 16 rows to a group, as their scale tables do. A pass then
@@ -6,8 +6,9 @@
 // instructions (docs/cpu.md, "Weights repacked at load"). The integer sums are q8_chunk's exact
 // numbers and the float steps the same, lane by lane, group by group in order: the same bits.
 //
-//   W (N, K / 8) uint32      -> (N / 16, K / 64, 128): [b][g][c * 16 + r] = W[16b + r][8g + c]
-//   scales, biases (N, K / 64) -> (N / 16, K / 64, 16): [b][g][r] = S[16b + r][g]
+//   W (N, K / 8) uint32      -> (N / 16, K / G, WG * 16): [b][g][c * 16 + r] = W[16b + r][WG g + c]
+//   scales, biases (N, K / G) -> (N / 16, K / G, 16): [b][g][r] = S[16b + r][g]
+// for groups of G = 64 (WG = 8 words a group) or 32 (WG = 4: a GGUF's Q4_K, models/gguf_blocks.py).
 // (products.py repacks with MLX's own transposes.)
 
 #include <algorithm>
@@ -21,11 +22,11 @@ namespace macspec::q8 {
 
 namespace {
 
-// Into L1: the words of group g + 4 (its 8 lines, 2.3 KB ahead; further ahead measured slower),
-// and the scales and biases of group g + 16 (a line holds 2-4 groups' of them). `w`: group g's.
-template <typename E>
+// Into L1: the words 2 KB ahead (group g + 4 of 64 weights; further ahead measured slower), and
+// the scales and biases of group g + 16 (a line holds 2-4 groups' of them). `w`: group g's.
+template <int WG, typename E>
 inline void prefetch_ahead(const uint32_t* w, const E* s, const E* bs, int g) {
-  for (int l = 0; l < 8; l++) {
+  for (int l = 0; l < WG; l++) {
     _mm_prefetch(reinterpret_cast<const char*>(w + 4 * 128 + 16 * l), _MM_HINT_T0);
   }
   _mm_prefetch(reinterpret_cast<const char*>(s + (g + 16) * 16), _MM_HINT_T0);
@@ -43,9 +44,9 @@ constexpr int MR_MAX = 8;  // rows of x a pass over a block keeps sums for (the 
 // Group g's integer sums for MR rows of x (acc[m][0]) without VNNI: vpmaddubsw pairs of at most
 // 2 * 15 * 127, 8 of them (4 words' low and high nibbles) summed in int16 lanes before widening
 // (qdot.h's dot16): exact, the same integers as vpdpbusd's.
-template <int MR, int C>
+template <int WG, int MR, int C>
 inline void group_sums16(const uint32_t* w, const int32_t* x, int M, vi (*acc)[C]) {
-  for (int c4 = 0; c4 < 8; c4 += 4) {
+  for (int c4 = 0; c4 < WG; c4 += 4) {
     vs s[MR];
     for (int m = 0; m < MR; m++) {
       s[m] = zero16();
@@ -64,11 +65,11 @@ inline void group_sums16(const uint32_t* w, const int32_t* x, int M, vi (*acc)[C
 }
 
 // Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers.
-template <ScaleType T, int MR>
+template <int WG, ScaleType T, int MR>
 void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
   using E = scale_elem<T>;
-  const int groups = p.K / 64, M = xq.M;
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * 128;
+  const int groups = p.K / (8 * WG), M = xq.M;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
   const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
   const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
   // independent sums a row with VNNI: ~10 products under way (group_sums16 chains its own)
@@ -77,19 +78,19 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
   for (int m = 0; m < MR; m++) {
     facc[m] = {_mm512_setzero_ps()};
   }
-  for (int g = 0; g < groups; g++, w += 128) {
-    prefetch_ahead(w, s, bs, g);
+  for (int g = 0; g < groups; g++, w += WG * 16) {
+    prefetch_ahead<WG>(w, s, bs, g);
     vi acc[MR][2 * CH];
     for (int m = 0; m < MR; m++) {
       for (int c = 0; c < 2 * CH; c++) {
         acc[m][c] = zero();
       }
     }
-    const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
+    const int32_t* x = xq.q.data() + (size_t)g * 2 * WG * M + m0;  // dword v of row m: x[v * M + m]
     if constexpr (!VNNI) {
-      group_sums16<MR>(w, x, M, acc);
+      group_sums16<WG, MR>(w, x, M, acc);
     } else {
-      for (int c = 0; c < 8; c++) {
+      for (int c = 0; c < WG; c++) {
         const vi v = {_mm512_loadu_si512(w + c * 16)};
         const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
         const int k = CH == 2 ? 2 * (c & 1) : 0;
@@ -114,14 +115,78 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
   }
 }
 
+// The same for 8-bit weights (a GGUF's Q6_K kept at 8 bits): a word holds 4 weights of one row
+// and x's dword c the 4 values they meet. vpdpbusd takes the unsigned bytes as they are; without
+// VNNI the signed q - 128 (prepare) and 128 * sum x added back: q8_chunk's integers and steps.
+template <int WG, ScaleType T, int MR>
+void block_rows8(const QProduct& p, const QuantizedX& xq, int b, int m0) {
+  using E = scale_elem<T>;
+  const int groups = p.K / (4 * WG), M = xq.M;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
+  const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
+  const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
+  constexpr int CH = MR <= 2 ? 2 : 1;  // independent sums a row, as above
+  vf facc[MR];
+  for (int m = 0; m < MR; m++) {
+    facc[m] = {_mm512_setzero_ps()};
+  }
+  for (int g = 0; g < groups; g++, w += WG * 16) {
+    prefetch_ahead<WG>(w, s, bs, g);
+    vi acc[MR][CH];
+    for (int m = 0; m < MR; m++) {
+      for (int c = 0; c < CH; c++) {
+        acc[m][c] = zero();
+      }
+    }
+    const int32_t* x = xq.q.data() + (size_t)g * WG * M + m0;  // dword v of row m: x[v * M + m]
+    for (int c = 0; c < WG; c++) {
+      const vi v = {_mm512_loadu_si512(w + c * 16)};
+      if constexpr (VNNI) {
+        for (int m = 0; m < MR; m++) {
+          acc[m][c % CH] = dot(acc[m][c % CH], v, x + c * M + m);
+        }
+      } else {
+        const signed_w sw = prepare(flip_sign(v));
+        for (int m = 0; m < MR; m++) {
+          acc[m][c % CH] = dot(acc[m][c % CH], sw, x + c * M + m);
+        }
+      }
+    }
+    const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
+    for (int m = 0; m < MR; m++) {
+      vi sum = acc[m][0];
+      if constexpr (CH == 2) {
+        sum = add(sum, acc[m][1]);
+      }
+      const size_t i = (size_t)g * M + m0 + m;
+      if constexpr (!VNNI) {
+        sum = add(sum, 128 * xq.sum[i]);
+      }
+      facc[m] = accumulate(facc[m], sum, scale, xq.d[i], bias, xq.ds[i]);
+    }
+  }
+  for (int m = 0; m < MR; m++) {
+    _mm512_storeu_ps(p.y + (size_t)(m0 + m) * p.N + 16 * b, facc[m].v);
+  }
+}
+
 }  // namespace
 
 template <ScaleType T>
 void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   for (int b = n0 / 16; b < n1 / 16; b++) {
     for (int m0 = 0; m0 < p.M; m0 += MR_MAX) {
-      with_rows<MR_MAX>(std::min(MR_MAX, p.M - m0),
-                        [&]<int MR>() { block_rows<T, MR>(p, xq, b, m0); });
+      with_rows<MR_MAX>(std::min(MR_MAX, p.M - m0), [&]<int MR>() {
+        if (p.bits == 8 && p.group == 32) {
+          block_rows8<8, T, MR>(p, xq, b, m0);
+        } else if (p.bits == 8) {
+          block_rows8<16, T, MR>(p, xq, b, m0);
+        } else if (p.group == 32) {
+          block_rows<4, T, MR>(p, xq, b, m0);
+        } else {
+          block_rows<8, T, MR>(p, xq, b, m0);
+        }
+      });
     }
   }
 }
@@ -139,13 +204,13 @@ constexpr int MR_MAX = 4;  // rows of x a group's pass keeps sums for: 8 of 16 r
 // Group g's integer sums of the block's 16 rows for rows m..m+MR of x, as (rows 0-7, rows 8-15):
 // vpdpbusd (AVX-VNNI) adds each lane's 4 products to its sum, one instruction where AVX2 takes
 // about two and a quarter (below).
-template <int MR>
+template <int WG, int MR>
 inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc)[2]) {
   const __m256i m15 = _mm256_set1_epi8(15);
   for (int m = 0; m < MR; m++) {
     acc[m][0] = acc[m][1] = _mm256_setzero_si256();
   }
-  for (int c = 0; c < 8; c++) {
+  for (int c = 0; c < WG; c++) {
     for (int h = 0; h < 2; h++) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 16 + 8 * h));
       const __m256i lo = _mm256_and_si256(v, m15);
@@ -166,13 +231,13 @@ constexpr int MR_MAX = 2;  // 16 registers
 // Per word a lane's bytes give vpmaddubsw pairs of at most 2 * 15 * 127 = 3,810 (low nibbles)
 // plus as much (high): 16-bit sums over 4 words stay within 30,480, and are widened then. Exact
 // integers, as vpdpbusd's.
-template <int MR>
+template <int WG, int MR>
 inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc)[2]) {
   const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int m = 0; m < MR; m++) {
     acc[m][0] = acc[m][1] = _mm256_setzero_si256();
   }
-  for (int c4 = 0; c4 < 8; c4 += 4) {
+  for (int c4 = 0; c4 < WG; c4 += 4) {
     __m256i s[MR][2];
     for (int m = 0; m < MR; m++) {
       s[m][0] = s[m][1] = _mm256_setzero_si256();
@@ -205,22 +270,22 @@ inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc
 #endif
 
 // Rows [m0, m0 + mc) (mc <= MSUPER) of y's block b for x's rows of the same numbers.
-template <ScaleType T>
+template <int WG, ScaleType T>
 void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) {
   using E = scale_elem<T>;
-  const int groups = p.K / 64, M = xq.M;
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * 128;
+  const int groups = p.K / (8 * WG), M = xq.M;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
   const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
   const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
   alignas(32) float facc[MSUPER * 16] = {};
-  for (int g = 0; g < groups; g++, w += 128) {
-    prefetch_ahead(w, s, bs, g);
+  for (int g = 0; g < groups; g++, w += WG * 16) {
+    prefetch_ahead<WG>(w, s, bs, g);
     const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
-    const int32_t* x = xq.q.data() + (size_t)g * 16 * M + m0;  // dword v of row m: x[v * M + m]
+    const int32_t* x = xq.q.data() + (size_t)g * 2 * WG * M + m0;  // dword v of row m: x[v * M + m]
     for (int m = 0; m < mc; m += MR_MAX) {
       __m256i acc[MR_MAX][2];
       with_rows<MR_MAX>(std::min(MR_MAX, mc - m),
-                        [&]<int MR>() { group_rows<MR>(w, x + m, M, acc); });
+                        [&]<int MR>() { group_rows<WG, MR>(w, x + m, M, acc); });
       for (int r = 0; r < std::min(MR_MAX, mc - m); r++) {
         const size_t i = (size_t)g * M + m0 + m + r;
         float* f = facc + (m + r) * 16;
@@ -239,7 +304,11 @@ template <ScaleType T>
 void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
   for (int b = n0 / 16; b < n1 / 16; b++) {
     for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
-      block_rows<T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
+      if (p.group == 32) {
+        block_rows<4, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
+      } else {
+        block_rows<8, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
+      }
     }
   }
 }
@@ -258,6 +327,14 @@ namespace macspec {
 
 bool q4_packs() {  // every build with int8 products has a kernel above
 #if defined(MACSPEC_INT8)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool q8_packs() {  // 8-bit weights: the AVX-512 builds (AVX2's int16 pairs would overflow)
+#if defined(MACSPEC_INT8) && defined(__AVX512F__) && defined(__AVX512BW__)
   return true;
 #else
   return false;

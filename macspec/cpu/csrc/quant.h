@@ -38,6 +38,7 @@ void q_int8_products(const QProduct* products, int count);
 
 // Whether this build takes 4-bit weights repacked (AVX-512 VNNI; cpu_q4packed.cpp).
 bool q4_packs();
+bool q8_packs();  // whether 8-bit weights repack too (AVX-512 builds)
 
 // Up to 4 products in one job of the thread pool (the threads wait for each other once), each
 // computed as alone; products of the same x share its preparation.
