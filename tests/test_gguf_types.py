@@ -282,3 +282,20 @@ def test_a_q4_k_m_file_is_kept_by_default_and_speculation_on_it_is_exact(tmp_pat
             fast = generate(pair, prompt, max_tokens=24, num_draft=k, adaptive=False)
             assert fast.tokens == plain
             assert fast.stats.drafted > 0
+
+
+def test_eval_takes_the_gguf_file_itself_as_the_reference(tmp_path):
+    """`--reference FILE.gguf` decodes it to float32; the kept model is near it, a -q 4 copy
+    further, and the file against its own float32 decoding is at KL 0."""
+    from macspec.tools import evaluate
+
+    src, path = _kquant_model(tmp_path, 7)
+    kept = convert(str(path), output="kept")
+    q4 = convert(str(path), output="q4", q="4")
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 6)
+    near = evaluate.evaluate(str(kept), str(text), reference=str(path), context=64)
+    far = evaluate.evaluate(str(q4), str(text), reference=str(path), context=64)
+    same = evaluate.evaluate(str(src), str(text), reference=str(path), context=64)
+    assert same.kl_max < 1e-6 and same.top1_agreement == 1.0
+    assert 0 < near.kl_mean < far.kl_mean
