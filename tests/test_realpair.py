@@ -44,6 +44,9 @@ def test_the_store_holds_what_the_catalog_pinned(paths):
         assert info["sha256"] == pair[role]["wheels"]["sha256"]
         config = json.loads((path / "config.json").read_text())
         assert (config["model_type"], config["quantization"]["bits"]) == ("qwen2", 4)
+        # the target keeps the file's Q4_K (4 bits) and Q6_K (8) blocks in groups of 32
+        want = (32, "keep") if role == "target" else (64, "4")
+        assert (config["quantization"]["group_size"], info["q"]) == want
 
 
 @pytest.fixture(scope="module")
