@@ -228,7 +228,7 @@ mx::array linear(const mx::array& x, const mx::array& w) {
       shape, mx::float32, std::make_shared<SmallLinear>(cpu_stream(), 32, 0), {x, w});
 }
 
-// qlinear for 4-bit weights repacked at load (cpu_q4packed.cpp): int8 products only.
+// qlinear for weights repacked at load (cpu_q4packed.cpp): int8 products only.
 mx::array packed_qlinear(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, bool int8) {
   if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || !(bits == 4 || bits == 8) ||
@@ -236,7 +236,8 @@ mx::array packed_qlinear(const mx::array& x, const mx::array& w, const mx::array
       !q4_packs() || !packed_shapes(w, scales) ||
       x.shape(-1) != matrix_cols(w, bits) ||
       biases.shape() != scales.shape() || biases.dtype() != scales.dtype()) {
-    throw std::invalid_argument("[macspec qlinear] repacked weights: 4 or 8 bits, groups of 32 or 64, int8");
+    throw std::invalid_argument(
+        "[macspec qlinear] repacked weights: 4 or 8 bits, groups of 32 or 64, int8");
   }
   auto shape = x.shape();
   shape.back() = matrix_rows(w);

@@ -1,4 +1,5 @@
-// 4-bit weights in groups of 64 or 32 repacked once, at load, for the int8 products (AVX-512, AVX2):
+// 4-bit weights in groups of 64 or 32 (AVX-512: 8-bit too) repacked once, at load, for the int8
+// products (AVX-512, AVX2):
 // each 16-row block's words transposed ahead of time, so that a vector holds one word (8 weights)
 // of each of its 16 rows, as q8_chunk's and cpu_q4wide.cpp's transposes make them on the fly in
 // every pass; and its scales and biases 16 rows to a group, as their scale tables do. A pass then
@@ -64,105 +65,72 @@ inline void group_sums16(const uint32_t* w, const int32_t* x, int M, vi (*acc)[C
   }
 }
 
-// Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers.
-template <int WG, ScaleType T, int MR>
-void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
-  using E = scale_elem<T>;
-  const int groups = p.K / (8 * WG), M = xq.M;
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
-  const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
-  const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
-  // independent sums a row with VNNI: ~10 products under way (group_sums16 chains its own)
-  constexpr int CH = VNNI && MR <= 2 ? 2 : 1;
-  vf facc[MR];
+// Group g's integer sums of the block's 16 rows for MR rows of x, one vector a row. A 4-bit word
+// holds 8 weights of one row (x's dwords 2c and 2c + 1 meet its low and high nibbles), an 8-bit
+// one 4 (x's dword c): vpdpbusd takes the unsigned bytes as they are; without VNNI 8-bit weights
+// go in as q - 128 (prepare), and the caller adds 128 * sum x back, as q8_chunk does.
+template <int BITS, int WG, int MR>
+inline void group_sums(const uint32_t* w, const int32_t* x, int M, vi* sum) {
+  // independent sums a row: ~10 products under way (group_sums16 chains its own)
+  constexpr int CH = BITS == 4 ? (VNNI ? (MR <= 2 ? 4 : 2) : 1) : (MR <= 2 ? 2 : 1);
+  vi acc[MR][CH];
   for (int m = 0; m < MR; m++) {
-    facc[m] = {_mm512_setzero_ps()};
-  }
-  for (int g = 0; g < groups; g++, w += WG * 16) {
-    prefetch_ahead<WG>(w, s, bs, g);
-    vi acc[MR][2 * CH];
-    for (int m = 0; m < MR; m++) {
-      for (int c = 0; c < 2 * CH; c++) {
-        acc[m][c] = zero();
-      }
+    for (int c = 0; c < CH; c++) {
+      acc[m][c] = zero();
     }
-    const int32_t* x = xq.q.data() + (size_t)g * 2 * WG * M + m0;  // dword v of row m: x[v * M + m]
-    if constexpr (!VNNI) {
-      group_sums16<WG, MR>(w, x, M, acc);
-    } else {
-      for (int c = 0; c < WG; c++) {
-        const vi v = {_mm512_loadu_si512(w + c * 16)};
-        const vi lo = nibbles_lo(v), hi = nibbles_hi(v);
-        const int k = CH == 2 ? 2 * (c & 1) : 0;
-        for (int m = 0; m < MR; m++) {
-          acc[m][k] = dot(acc[m][k], lo, x + 2 * c * M + m);
-          acc[m][k + 1] = dot(acc[m][k + 1], hi, x + (2 * c + 1) * M + m);
+  }
+  if constexpr (BITS == 4 && !VNNI) {
+    group_sums16<WG, MR>(w, x, M, acc);
+  } else {
+    for (int c = 0; c < WG; c++) {
+      const vi v = {_mm512_loadu_si512(w + c * 16)};
+      for (int m = 0; m < MR; m++) {
+        if constexpr (BITS == 4) {
+          const int k = CH == 4 ? 2 * (c & 1) : 0;
+          acc[m][k] = dot(acc[m][k], nibbles_lo(v), x + 2 * c * M + m);
+          acc[m][k + 1] = dot(acc[m][k + 1], nibbles_hi(v), x + (2 * c + 1) * M + m);
+        } else if constexpr (VNNI) {
+          acc[m][c % CH] = dot(acc[m][c % CH], v, x + c * M + m);
+        } else {
+          acc[m][c % CH] = dot(acc[m][c % CH], prepare(flip_sign(v)), x + c * M + m);
         }
       }
     }
-    const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
-    for (int m = 0; m < MR; m++) {
-      vi sum = add(acc[m][0], acc[m][1]);
-      if constexpr (CH == 2) {
-        sum = add(sum, add(acc[m][2], acc[m][3]));
-      }
-      const size_t i = (size_t)g * M + m0 + m;
-      facc[m] = accumulate(facc[m], sum, scale, xq.d[i], bias, xq.ds[i]);
-    }
   }
   for (int m = 0; m < MR; m++) {
-    _mm512_storeu_ps(p.y + (size_t)(m0 + m) * p.N + 16 * b, facc[m].v);
+    sum[m] = acc[m][0];
+    for (int c = 1; c < CH; c++) {
+      sum[m] = add(sum[m], acc[m][c]);  // exact integers: the order changes nothing
+    }
   }
 }
 
-// The same for 8-bit weights (a GGUF's Q6_K kept at 8 bits): a word holds 4 weights of one row
-// and x's dword c the 4 values they meet. vpdpbusd takes the unsigned bytes as they are; without
-// VNNI the signed q - 128 (prepare) and 128 * sum x added back: q8_chunk's integers and steps.
-template <int WG, ScaleType T, int MR>
-void block_rows8(const QProduct& p, const QuantizedX& xq, int b, int m0) {
+// Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers, weights
+// of BITS bits, WG words a group.
+template <int BITS, int WG, ScaleType T, int MR>
+void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
   using E = scale_elem<T>;
-  const int groups = p.K / (4 * WG), M = xq.M;
+  constexpr int XG = 8 * WG / BITS;  // x's dwords a group
+  const int groups = p.K / (4 * XG), M = xq.M;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
   const E* s = static_cast<const E*>(p.scales) + (size_t)b * groups * 16;
   const E* bs = static_cast<const E*>(p.biases) + (size_t)b * groups * 16;
-  constexpr int CH = MR <= 2 ? 2 : 1;  // independent sums a row, as above
   vf facc[MR];
   for (int m = 0; m < MR; m++) {
     facc[m] = {_mm512_setzero_ps()};
   }
   for (int g = 0; g < groups; g++, w += WG * 16) {
     prefetch_ahead<WG>(w, s, bs, g);
-    vi acc[MR][CH];
-    for (int m = 0; m < MR; m++) {
-      for (int c = 0; c < CH; c++) {
-        acc[m][c] = zero();
-      }
-    }
-    const int32_t* x = xq.q.data() + (size_t)g * WG * M + m0;  // dword v of row m: x[v * M + m]
-    for (int c = 0; c < WG; c++) {
-      const vi v = {_mm512_loadu_si512(w + c * 16)};
-      if constexpr (VNNI) {
-        for (int m = 0; m < MR; m++) {
-          acc[m][c % CH] = dot(acc[m][c % CH], v, x + c * M + m);
-        }
-      } else {
-        const signed_w sw = prepare(flip_sign(v));
-        for (int m = 0; m < MR; m++) {
-          acc[m][c % CH] = dot(acc[m][c % CH], sw, x + c * M + m);
-        }
-      }
-    }
+    vi sum[MR];
+    const int32_t* x = xq.q.data() + (size_t)g * XG * M + m0;  // dword v of row m: x[v * M + m]
+    group_sums<BITS, WG, MR>(w, x, M, sum);
     const vf scale = load_scales(s + g * 16, 16), bias = load_scales(bs + g * 16, 16);
     for (int m = 0; m < MR; m++) {
-      vi sum = acc[m][0];
-      if constexpr (CH == 2) {
-        sum = add(sum, acc[m][1]);
-      }
       const size_t i = (size_t)g * M + m0 + m;
-      if constexpr (!VNNI) {
-        sum = add(sum, 128 * xq.sum[i]);
+      if constexpr (BITS == 8 && !VNNI) {
+        sum[m] = add(sum[m], 128 * xq.sum[i]);
       }
-      facc[m] = accumulate(facc[m], sum, scale, xq.d[i], bias, xq.ds[i]);
+      facc[m] = accumulate(facc[m], sum[m], scale, xq.d[i], bias, xq.ds[i]);
     }
   }
   for (int m = 0; m < MR; m++) {
@@ -178,13 +146,13 @@ void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
     for (int m0 = 0; m0 < p.M; m0 += MR_MAX) {
       with_rows<MR_MAX>(std::min(MR_MAX, p.M - m0), [&]<int MR>() {
         if (p.bits == 8 && p.group == 32) {
-          block_rows8<8, T, MR>(p, xq, b, m0);
+          block_rows<8, 8, T, MR>(p, xq, b, m0);
         } else if (p.bits == 8) {
-          block_rows8<16, T, MR>(p, xq, b, m0);
+          block_rows<8, 16, T, MR>(p, xq, b, m0);
         } else if (p.group == 32) {
-          block_rows<4, T, MR>(p, xq, b, m0);
+          block_rows<4, 4, T, MR>(p, xq, b, m0);
         } else {
-          block_rows<8, T, MR>(p, xq, b, m0);
+          block_rows<4, 8, T, MR>(p, xq, b, m0);
         }
       });
     }
