@@ -15,6 +15,7 @@ from support.tinymodels import make_tiny_model
 
 from macspec.cli import main
 from macspec.errors import MacspecError, OptionError
+from macspec.models import fidelity
 from macspec.tools import evaluate
 
 TEXT = "the quick brown fox jumps over the lazy dog, " * 12
@@ -35,7 +36,7 @@ def _numpy_kl(a, b, ids, context, skip):
     ma, _ = load_model(a)
     mb, _ = load_model(b)
     kls, tops, nll = [], [], []
-    for w in evaluate.windows(ids, context, skip):
+    for w in fidelity.windows(ids, context, skip):
         la = np.array(ma(mx.array(w)[None])[0], np.float64)
         lb = np.array(mb(mx.array(w)[None])[0], np.float64)
         pa = la - np.logaddexp.reduce(la, -1, keepdims=True)

@@ -19,6 +19,7 @@ from support.gguf_arch_helpers import hf_to_gguf, make_model
 
 from macspec.cpu import native
 from macspec.errors import ModelError
+from macspec.models import fidelity
 from macspec.models.convert import convert
 from macspec.models.gguf_blocks import KEPT, keep_tensor
 from macspec.models.gguf_read import dequantize, read_header, readable_types
@@ -197,6 +198,31 @@ def test_damaged_scales_name_the_tensor(kind, tmp_path):
         keep_tensor(path, read_header(path).tensors["blk.0.attn_q.weight"])
 
 
+@pytest.mark.parametrize("damage", ["nan scale", "truncated"])
+def test_a_damaged_k_quant_file_converts_to_nothing(damage, tmp_path):
+    """A whole convert of a Q4_K_M file with a NaN super-block scale, or cut short inside its
+    last tensor, raises a ModelError naming the tensor or file, and leaves no store entry."""
+    from macspec.models.store import store_root
+
+    _, path = _kquant_model(tmp_path, 9)
+    info = read_header(path).tensors["blk.1.ffn_gate.weight"]
+    assert info.type_name == "Q4_K"
+    data = bytearray(path.read_bytes())
+    if damage == "nan scale":  # d of the tensor's third super-block
+        at = info.offset + 2 * 144
+        data[at : at + 2] = np.array([np.nan], np.float16).tobytes()
+        match = r"'blk\.1\.ffn_gate\.weight'.*not finite"
+    else:
+        last = max(read_header(path).tensors.values(), key=lambda t: t.offset)
+        del data[last.offset + last.nbytes // 2 :]
+        match = str(path.name)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=match):
+        convert(str(path), output="damaged")
+    root = store_root()
+    assert not root.exists() or list(root.iterdir()) == []
+
+
 def _gguf_model(tmp_path: Path, seed: int, kind_of, **shape) -> tuple[Path, Path]:
     """A Qwen2 (source directory, GGUF file) whose i-th 2-D weight `name` is stored as
     kind_of(i, name), random blocks; the source holds gguf's dequantization of them."""
@@ -239,12 +265,13 @@ def test_model_of_mixed_k_and_iq_quants(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-def _kquant_model(tmp_path: Path, seed: int) -> tuple[Path, Path]:
-    """A Qwen2 stored as Q4_K_M is: Q4_K products, Q6_K v/down products and output head."""
+def _kquant_model(tmp_path: Path, seed: int, main: str = "Q4_K") -> tuple[Path, Path]:
+    """A Qwen2 stored as Q4_K_M is (Q5_K_M with main="Q5_K"): Q4_K products, Q6_K v/down
+    products and output head."""
 
     def q4_k_m(_: int, name: str) -> str:
         six = name.endswith(("v_proj.weight", "down_proj.weight", "lm_head.weight"))
-        return "Q6_K" if six else "Q4_K"
+        return "Q6_K" if six else main
 
     return _gguf_model(tmp_path, seed, q4_k_m, tie_word_embeddings=False)
 
@@ -284,6 +311,36 @@ def test_a_q4_k_m_file_is_kept_by_default_and_speculation_on_it_is_exact(tmp_pat
             assert fast.stats.drafted > 0
 
 
+def test_a_q5_k_m_file_keeps_5_bits_which_the_cpu_runs_as_8_bit_integers(tmp_path):
+    """Q5_K is kept at 5 bits in groups of 32 (what the store holds, for every backend); the CPU
+    products take those integers widened to a byte each (products.widen): logits near mlx's own
+    5-bit product on the same store model, and greedy speculation on it equals plain decoding."""
+    import macspec
+    from macspec.api import generate
+    from macspec.cpu import products
+
+    src, path = _kquant_model(tmp_path, 8, main="Q5_K")
+    out = convert(str(path), output="kept5")
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert (quant["bits"], quant["group_size"]) == (5, 32)
+    assert quant["model.layers.0.mlp.down_proj"]["bits"] == 8
+    ids = mx.array([[1, 5, 9, 12, 30, 41, 7]])
+    stock = np.array(load_model(out)[0](ids))  # mlx's 5-bit product, float activations
+    pair = macspec.load(str(out), drafter="ngram", measure=False)
+    gate = pair.target.model.layers[0].mlp.gate_proj
+    assert gate.bits == (8 if products.active() else 5) and gate.group_size == 32
+    got = np.array(pair.target(ids))
+    assert np.abs(got - stock).max() < 0.02 * np.abs(stock).max()  # int8 activations
+    want = np.array(load_model(src)[0](ids))
+    assert np.abs(got - want).max() < 0.03 * np.abs(want).max()
+    pair.eos_token_ids = frozenset()
+    prompt = [30, 41, 7, 9, 30, 41, 7, 9, 30, 41]
+    plain = generate(pair, prompt, max_tokens=24, speculative=False).tokens
+    for k in (2, 6):
+        fast = generate(pair, prompt, max_tokens=24, num_draft=k, adaptive=False)
+        assert fast.tokens == plain
+
+
 def test_eval_takes_the_gguf_file_itself_as_the_reference(tmp_path):
     """`--reference FILE.gguf` decodes it to float32; the kept model is near it, a -q 4 copy
     further, and the file against its own float32 decoding is at KL 0."""
@@ -299,3 +356,16 @@ def test_eval_takes_the_gguf_file_itself_as_the_reference(tmp_path):
     same = evaluate.evaluate(str(src), str(text), reference=str(path), context=64)
     assert same.kl_max < 1e-6 and same.top1_agreement == 1.0
     assert 0 < near.kl_mean < far.kl_mean
+    # -q 4 measured what it cost at convert time, against the blocks kept, on the built-in text
+    measured = json.loads((q4 / "macspec.json").read_text())["fidelity"]
+    kept_model, tokenizer = fidelity.load_model(kept)
+    q4_model, _ = fidelity.load_model(q4)
+    ids = tokenizer.encode(fidelity.SAMPLE.read_text(encoding="utf-8"))[:512]
+    again = fidelity.Report.of(fidelity.score(q4_model, ids, kept_model, context=512))
+    assert measured["positions"] == again.positions > 100
+    assert again.kl_mean > 0
+    assert measured["kl_mean"] == pytest.approx(again.kl_mean, rel=1e-4, abs=1e-6)
+    assert measured["top1_agreement"] == pytest.approx(again.top1_agreement, abs=1e-4)
+    assert "fidelity" not in json.loads((kept / "macspec.json").read_text())
+    unmeasured = convert(str(path), output="q8", q="8", measure=False)
+    assert "fidelity" not in json.loads((unmeasured / "macspec.json").read_text())

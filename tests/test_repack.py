@@ -63,6 +63,32 @@ def test_repacked_weights_give_mlx_layouts_bits_at_every_number_of_rows(dtype, b
         assert mx.array_equal(after, before).item()
 
 
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("group", [32, 64])
+def test_5_and_6_bit_weights_widen_to_the_same_integers_a_byte_each(bits, group):
+    """products.widen: the same dequantized weights at 8 bits, which the int8 products take
+    (repacked on AVX-512) with the same bits at every number of rows."""
+    k = 5 * group
+    layer = nn.QuantizedLinear(k, 48, bias=False, group_size=group, bits=bits)
+    w = mx.random.normal((48, k), key=mx.random.key(bits))
+    layer.weight, layer.scales, layer.biases = mx.quantize(w, group_size=group, bits=bits)
+    before = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group, bits=bits)
+    stack = Stack(layer)
+    kernels.switch_products(stack)
+    assert products.widen_all(stack) == 1 and layer.bits == 8
+    assert layer.weight.shape == (48, k // 4)
+    after = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=group, bits=8)
+    assert mx.array_equal(before, after).item()
+    x = mx.random.normal((12, k), key=mx.random.key(3))
+    flat = (layer.weight, layer.scales, layer.biases)
+    want = _q8(x, flat, group, 8)
+    if _packs(8):
+        products.pack(layer)
+    for rows in (1, 2, 5, 12):
+        np.testing.assert_array_equal(np.array(layer(x[:rows])), want[:rows])
+    assert products.widen_all(stack) == 0  # widened once
+
+
 def test_a_repacked_layer_unpacks_for_mlx_and_for_float_activations(monkeypatch):
     stack = Stack(_layer(32, 128, mx.bfloat16, seed=10))
     kernels.switch_products(stack)

@@ -427,6 +427,9 @@ def accelerate(model: nn.Module) -> int:
     layers = list(getattr(trunk, "layers", []) or [])
     changed = accelerate_layers(layers)
     switch_products(model)
+    widened = products.widen_all(model)
+    if widened:
+        log.info("%d 5/6-bit products run as 8-bit integers (the same values)", widened)
     products.repack(model)
     switch_norms(model)  # the final norm
     for i, layer in enumerate(layers):

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .. import switches
 from ..core import target
@@ -173,6 +174,48 @@ def unpack(m: nn.Module) -> None:
         for a in (m.scales, m.biases)
     )
     mx.eval(m.weight, m.scales, m.biases)
+
+
+# 5- and 6-bit weights (a GGUF's Q5_K kept, an MLX 5/6-bit model) have no kernel of their own:
+# they run as 8-bit integers. q stays q (scale * q + bias unchanged), so the model is the same
+# and a step's and a row's products agree as for any 8-bit one; it costs 8/bits of their bytes
+# (1.6x for 5 bits) against MLX's scalar product. 2/3 bits stay there: widened they would grow
+# 2.7-4x.
+WIDENED_BITS = (5, 6)
+
+
+def widenable(m: nn.Module) -> bool:
+    return (
+        active()
+        and isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and getattr(m, "mode", "affine") == "affine"
+        and m.bits in WIDENED_BITS
+        and m.weight.dtype == mx.uint32
+        and m.weight.ndim == 2
+        and (m.weight.shape[1] * 32 // m.bits) % 8 == 0
+    )
+
+
+def widen(m: nn.Module) -> None:
+    """`m`'s b-bit weights as MLX's 8-bit layout: the same integers, a byte each."""
+    bits, (n, words) = m.bits, m.weight.shape
+    k = words * 32 // bits
+    # MLX packs b-bit values as one little-endian bit stream a row: 8 values fill b bytes.
+    chunks = np.array(m.weight).view(np.uint8).reshape(n, k // 8, bits).astype(np.uint64)
+    stream = sum(chunks[..., i] << np.uint64(8 * i) for i in range(bits))
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    q = ((stream[..., None] >> shifts) & np.uint64((1 << bits) - 1)).astype(np.uint8)
+    m.weight = mx.array(q.reshape(n, k).view(np.uint32))
+    m.bits = 8
+    mx.eval(m.weight)
+
+
+def widen_all(model: nn.Module) -> int:
+    """`widen` every 5/6-bit product of `model` (layers, head, embedding); returns how many."""
+    todo = [m for _, m in model.named_modules() if widenable(m)]
+    for m in todo:
+        widen(m)
+    return len(todo)
 
 
 def repack(model: nn.Module) -> int:

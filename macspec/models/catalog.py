@@ -43,6 +43,7 @@ def _convert(spec: dict, source: str, file: WheelFile | None = None) -> Path:
             q=str(spec.get("q", "none")),
             group_size=int(spec.get("group_size", 64)),
             dtype=spec.get("dtype"),
+            measure=bool(spec.get("measure", True)),
         )
     except ConvertError:
         if is_model_dir(store_root() / name):  # another process converted it meanwhile
@@ -104,7 +105,9 @@ def ensure_pair(
     pairs = load_catalog()
     for pair in pairs:
         if pair["name"] == name:
-            specs = [pair["target"]] + ([pair["draft"]] if pair.get("draft") else [])
+            # A draft only changes speed: what requantizing it cost is not worth a minute.
+            draft = [{**pair["draft"], "measure": False}] if pair.get("draft") else []
+            specs = [pair["target"], *draft]
             paths = _fetch(specs, progress or _say)
             return paths[0], (paths[1] if len(paths) > 1 else None)
     names = ", ".join(["default"] + [p["name"] for p in pairs])

@@ -213,12 +213,31 @@ def _from_gguf(src: Path, out: Path, q: str, dtype: str | None) -> list[str]:
         for line in report.keep_summary().splitlines():
             _say(line)
     elif q in ("4", "8"):
-        _say(
-            f"-q {q} quantizes the file's values again, which moves its answers: measure by how "
-            f"much with `macspec eval NAME TEXT --reference {src}` (the default, -q keep, keeps "
-            "its blocks)"
-        )
+        _say(f"-q {q} quantizes the file's values again (the default, -q keep, keeps its blocks)")
     return sorted(report.kept) if q == "keep" else []
+
+
+def _measure(src: Path, tmp: Path, q: str) -> None:
+    """What -q `q` cost, said and kept in the model's macspec.json."""
+    from .fidelity import measure_requantized
+
+    r = measure_requantized(src, tmp, tmp / ".fidelity-reference")
+    _say(
+        f"-q {q} moved the file's next-token distributions by a mean KL of {r.kl_mean:.4f} nats "
+        f"(p99 {r.kl_p99:.4f}); top-1 agreement {r.top1_agreement:.3f}, over {r.positions} "
+        f"positions of built-in text, against its blocks kept (the default, -q keep). On your "
+        f"own text: `macspec eval NAME TEXT --reference {src}`"
+    )
+    info = json.loads((tmp / INFO_FILE).read_text())
+    info["fidelity"] = {
+        "reference": "the GGUF's blocks kept (-q keep)",
+        "text": "built-in sample (macspec/data/fidelity-sample.txt)",
+        "positions": r.positions,
+        "kl_mean": round(r.kl_mean, 6),
+        "kl_p99": round(r.kl_p99, 6),
+        "top1_agreement": round(r.top1_agreement, 4),
+    }
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2))
 
 
 def _backend_dtype(kind: str, src: Path) -> str | None:
@@ -357,6 +376,7 @@ def convert(
     embed_8bit: bool = False,
     revision: str | None = None,
     mtp: str = "auto",
+    measure: bool = True,
 ) -> Path:
     """Convert `source` into the store as `output` (default: derived from the source name).
 
@@ -365,7 +385,8 @@ def convert(
     default: "keep" for a GGUF file, whose blocks are the model the user chose; else "none".
     dtype: float16 | bfloat16 | float32 for the unquantized tensors (default: on the CPU backend
     float32, MLX's fast type there; elsewhere the source's, else float16). embed_8bit: keep the
-    embeddings and the output head at 8 bits when quantizing.
+    embeddings and the output head at 8 bits when quantizing. measure: with -q 4|8 of a GGUF,
+    score the result against the file's blocks kept (models/fidelity.py) and say the KL.
     Returns the new model's directory.
     """
     asked, q = q, _checked_options(q or "none", group_size, dtype, mtp)
@@ -390,6 +411,8 @@ def convert(
     with staging(name, force=force) as tmp:
         opts = {"q": q, "group_size": group_size, "embed_8bit": embed_8bit, "mtp": mtp}
         _convert_into(tmp, kind, src, source, dtype, opts)
+        if measure and kind == "gguf" and q in ("4", "8"):
+            _measure(src, tmp, q)
     _say(f"converted {source} -> {dest} ({time.perf_counter() - start:.1f} s)")
     return dest
 
@@ -499,6 +522,13 @@ def register(subparsers: Any) -> None:
     )
     group.add_argument(
         "--no-mtp", dest="mtp", action="store_const", const="drop", help="do not keep MTP heads"
+    )
+    p.add_argument(
+        "--no-measure",
+        dest="measure",
+        action="store_false",
+        help="with -q 4|8 of a GGUF file: do not measure what requantizing cost (KL against the "
+        "file's blocks kept, about a minute for 1.5B parameters)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing store entry")
     p.set_defaults(func=_run)
