@@ -1,11 +1,14 @@
 """macspec: exact speculative decoding for local LLMs on MLX."""
 
-from . import platform_info
+from .base import platform_info
 
 # Before mlx.core is first imported (by .api): MLX's BLAS calls then bind to OpenBLAS (Linux).
 platform_info.load_fast_blas()
 
-from .api import (  # noqa: E402
+from .api import distributed  # noqa: E402 (`from macspec import distributed`)
+from .api.options import GenerationOptions  # noqa: E402
+from .api.pair import Pair, load  # noqa: E402
+from .api.stream import (  # noqa: E402
     GenerationResult,
     GenerationStats,
     GenerationStream,
@@ -13,9 +16,7 @@ from .api import (  # noqa: E402
     generate,
     stream_generate,
 )
-from .core.sampling import SamplingOptions  # noqa: E402
-from .cpu import install as _install_cpu  # noqa: E402
-from .errors import (  # noqa: E402
+from .base.errors import (  # noqa: E402
     CacheError,
     CompatError,
     ConvertError,
@@ -25,9 +26,9 @@ from .errors import (  # noqa: E402
     OptionError,
     PromptError,
 )
-from .options import GenerationOptions  # noqa: E402
-from .pair import Pair, load  # noqa: E402
-from .platform_info import BlasWarning  # noqa: E402
+from .base.platform_info import BlasWarning  # noqa: E402
+from .core.sampling import SamplingOptions  # noqa: E402
+from .cpu import install as _install_cpu  # noqa: E402
 
 # The CPU package's kernels in the core (core/hooks.py): plain mlx where it does not apply.
 _install_cpu()
@@ -51,6 +52,7 @@ __all__ = [
     "PromptError",
     "RoundEvent",
     "SamplingOptions",
+    "distributed",
     "generate",
     "load",
     "stream_generate",

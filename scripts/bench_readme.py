@@ -17,7 +17,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from macspec.tools.bench_report import baseline_label, find_row, iter_rows
+from macspec.tools.bench.report import baseline_label, find_row, iter_rows
 
 START, END = "<!-- bench:results -->", "<!-- /bench:results -->"
 MACSPEC_SPEC = ("macspec", "macspec_adaptive")

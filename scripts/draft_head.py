@@ -23,7 +23,7 @@ from macspec.core.drafters.pruned import frequent_ids, prune_head
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 from macspec.core.verify import make_dist, plain_step
-from macspec.pair import _special_ids
+from macspec.api.pair import _special_ids
 from macspec.tools.prompts import builtin_prompts, load_prompts
 
 TEXT = "Write a Python function that reads a CSV file and sums a column. " * 4

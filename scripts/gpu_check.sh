@@ -66,6 +66,6 @@ case ",$pairs," in *,qwen2.5-coder-1.5b,*) ;; *) echo "written: $out"; exit 0 ;;
 if "$py" -m macspec models 2>/dev/null | grep -q '^qwen2.5-coder-1.5b '; then
     check qwen2.5-coder-1.5b qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 else
-    echo "== qwen2.5-coder-1.5b: not in the store ($("$py" -c 'from macspec.paths import models_dir; print(models_dir())')); skipped"
+    echo "== qwen2.5-coder-1.5b: not in the store ($("$py" -c 'from macspec.base.paths import models_dir; print(models_dir())')); skipped"
 fi
 echo "written: $out"

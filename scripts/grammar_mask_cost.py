@@ -1,4 +1,4 @@
-"""What a constraint's masks cost per token on a real tokenizer (macspec/grammar.py).
+"""What a constraint's masks cost per token on a real tokenizer (macspec/api/grammar.py).
 
 Walks the tokens of a valid answer under a JSON schema (and "any JSON object"), timing the mask
 of each position as a round needs it: once fresh (the draft asks), once from the cache (the
@@ -16,7 +16,7 @@ import time
 
 from transformers import AutoTokenizer
 
-from macspec.grammar import ANY_JSON_OBJECT, Grammar, Spec, json_schema_text, ll_tokenizer
+from macspec.api.grammar import ANY_JSON_OBJECT, Grammar, Spec, json_schema_text, ll_tokenizer
 
 SCHEMA = {
     "type": "object",

@@ -10,8 +10,8 @@ import argparse
 import importlib
 import sys
 
-from .. import logs
-from ..errors import MacspecError
+from ..base import logs
+from ..base.errors import MacspecError
 
 # subcommand -> module that defines `register(subparsers)`; the parser it adds sets `func(args)`.
 COMMANDS = {
@@ -21,7 +21,7 @@ COMMANDS = {
     "check": "macspec.models.compat",
     "convert": "macspec.models.convert",
     "models": "macspec.models.catalog",
-    "bench": "macspec.tools.bench",
+    "bench": "macspec.tools.bench.command",
     "doctor": "macspec.tools.doctor",
     "eval": "macspec.tools.evaluate",
     "distill": "macspec.tools.distill",

@@ -1,14 +1,14 @@
 """What the commands that run a pair share (`generate`, `chat`, `serve`): the model flags, the
-generation options' flags (from macspec/options.py), and loading the pair."""
+generation options' flags (from macspec/api/options.py), and loading the pair."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from .. import options
-from ..errors import OptionError
-from ..pair import DRAFT_CONTEXT, DRAFTERS, Pair
+from ..api import options
+from ..api.pair import DRAFT_CONTEXT, DRAFTERS, Pair
+from ..base.errors import OptionError
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -39,8 +39,8 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
 
 def load_pair(args: argparse.Namespace) -> Pair:
     """The pair the flags name; under mlx.launch, ranks > 0 serve rank 0 and exit in here."""
+    from ..api.pair import load
     from ..core.sharded import init_group, serve_if_follower
-    from ..pair import load
 
     target, draft = args.target, args.draft
     if args.pair:

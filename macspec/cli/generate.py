@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from ..errors import OptionError
+from ..base.errors import OptionError
 from .common import add_pair_args, announce, generation_options, load_pair
 
 

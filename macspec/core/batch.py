@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..errors import CacheError
+from ..base.errors import CacheError
 from . import hooks
 from .target import Target, output_head
 

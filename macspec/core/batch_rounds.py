@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import CacheError, OptionError
+from ..base.errors import CacheError, OptionError
 from . import caches, hooks, memory
 from .batch import can_share, shared_pass
 from .batch_k import Bid, PassPrices, bid, choose_ks
@@ -49,7 +49,8 @@ from .target import Target
 from .tree import TreeShape
 from .verify import accept, make_dist, one_hot
 
-# Prompt ids prefilled between two rounds of the other rows (phase-b.md section 6).
+# Prompt ids prefilled between two rounds of the other rows: a new client's prompt is read in
+# chunks, so the clients already answering wait at most one chunk's pass (docs/server.md, batching).
 PREFILL_CHUNK = 256
 
 PREFILLING = object()  # a row yielded after a chunk of its prompt: nothing to verify yet

@@ -1,11 +1,11 @@
 """What the core needs of a constraint on the output (a grammar, a JSON schema), and the masks it
-puts into the sampling distribution. The core never imports a constraint library: macspec/grammar.py
-implements `Constraint` with llguidance.
+puts into the sampling distribution. The core never imports a constraint library:
+macspec/api/grammar.py implements `Constraint` with llguidance.
 
 Exactness under a constraint: with m_i the mask after the committed ids and drafts d_1..d_{i-1},
 the target's p_i and the draft's q_i are both masked by m_i before any sampling transform; the
 acceptance rule applied to the masked pair keeps the output distributed as the target's own
-constrained sampling (notes: server/phase-b.md, section 4).
+constrained sampling (docs/server.md, tests/core/test_constraint_exactness.py).
 """
 
 from __future__ import annotations

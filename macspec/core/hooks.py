@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import switches
+from ..base import switches
 
 
 def _softmax(x: mx.array, temperature: float = 1.0) -> mx.array:

@@ -16,7 +16,7 @@ from time import perf_counter
 
 import mlx.core as mx
 
-from ..errors import OptionError
+from ..base.errors import OptionError
 from . import memory
 from .caches import Hit, PromptCache
 from .constraint import Constraint

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import OptionError
+from ..base.errors import OptionError
 from . import hooks
 
 # probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling

@@ -32,8 +32,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .. import switches
-from ..errors import MacspecError, ModelError
+from ..base import switches
+from ..base.errors import MacspecError, ModelError
 from .drafters.base import Drafter
 from .loaded import LoadedPair
 from .loop import Round

@@ -8,7 +8,7 @@ from functools import cached_property
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import CacheError
+from ..base.errors import CacheError
 from . import caches, hooks
 from .memory import clear_on_gpu
 

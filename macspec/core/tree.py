@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..errors import CacheError
+from ..base.errors import CacheError
 from . import caches, hooks
 from .sampling import DistFn, sample
 from .target import Target

@@ -135,8 +135,8 @@ def speculative_round(
         # The drafter is told of all it proposed (it fed them), the target sees the allowed part.
         k = proposal.tokens.size
         proposal = allowed_part(proposal, dist)
-        # The drafts compute while Python builds the verification graph (~3 ms a pass), which
-        # is 1-2% of a round on a 2-core CPU; the draft time then ends when the drafts are ready.
+        # The drafts compute while Python builds the verification graph (a small share of a
+        # round); the draft time then ends when the drafts are ready.
         # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
         mx.async_eval(proposal.tokens)
         with hooks.serial():

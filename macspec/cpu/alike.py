@@ -8,7 +8,7 @@ import logging
 
 import mlx.nn as nn
 
-from .. import switches
+from ..base import switches
 from . import kernels, products
 
 log = logging.getLogger("macspec.cpu")
@@ -19,7 +19,7 @@ def alike_rows(model: nn.Module) -> int | None:
     llama/qwen2 trunk with a table RoPE, the products and layer kernels on), each product,
     norm and attention of any number of rows gives each row the bits it gets alone: None, no
     limit. Other layers run mlx's own ops, whose attention, masks and scans are computed
-    otherwise for several rows than for one (tests/test_row_bits.py): then 1, unless
+    otherwise for several rows than for one (tests/core/test_row_bits.py): then 1, unless
     switches.SPECULATE_UNALIKE lets them speculate (the default; said once, as a warning)."""
     if rows_alike(model):
         return None

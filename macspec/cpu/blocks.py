@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .. import switches
+from ..base import switches
 from . import products
 
 log = logging.getLogger("macspec.cpu")

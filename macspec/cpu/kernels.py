@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import switches
+from ..base import switches
 from . import blocks, native, products
 from .products import on_cpu
 
@@ -84,8 +84,9 @@ _compiler_works: bool | None = None
 
 
 def _compiled(fn):
-    """mx.compile fuses the exp polynomial into one CPU kernel (2.7 vs 12.7 ns an element); it
-    needs a C++ compiler at run time, so without one the same ops run uncompiled (5.3 ns)."""
+    """mx.compile fuses the exp polynomial into one CPU kernel (several times faster than the ops
+    one by one: docs/cpu.md, "figures behind the code"); it needs a C++ compiler at run time, so
+    without one the same ops run uncompiled."""
     global _compiler_works
     if _compiler_works is None:
         try:
@@ -102,11 +103,11 @@ class _BoundedCompile:
     """`fn` compiled, recompiled from scratch after `limit` distinct input shapes.
 
     mx.compile keeps one traced graph per input shape (~35 KB each here). Attention's scores
-    change shape with every token of context (a 4,000-token generation grew the process by
-    170 MB), and every new prompt length adds a shape to RoPE and SwiGLU. Dropping the compiled
+    change shape with every token of context (a long generation grows the process by hundreds
+    of MB), and every new prompt length adds a shape to RoPE and SwiGLU. Dropping the compiled
     function frees its entries. `shapeless=True` would avoid
-    this, but the exp's bit view cannot be traced shapeless, and the view-free forms of 2^n
-    measured 7.5-10 ns an element against 3.4."""
+    this, but the exp's bit view cannot be traced shapeless, and the view-free forms of 2^n are
+    two to three times slower."""
 
     def __init__(self, fn: Any, limit: int = 128) -> None:
         self.fn, self.limit = fn, limit
@@ -129,8 +130,8 @@ _swiglu_fast = _BoundedCompile(_swiglu)
 
 def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     """softmax(x / temperature) over the last axis (float32); on the CPU backend with the fast
-    exp, and with the native primitive on every core where it is built (a whole vocabulary's
-    rows: one core took ~1 ms a row of 152k ids)."""
+    exp, and with the native primitive on every core where it is built (a whole vocabulary a row:
+    a millisecond on one core for 152k ids)."""
     if not on_cpu():
         return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
     x = x.astype(mx.float32)
@@ -440,7 +441,7 @@ def accelerate(model: nn.Module) -> int:
 
 
 # Every third decoder layer starts evaluating the graph built so far, so that the stream computes
-# while Python builds the rest of the pass (~3 ms of graph building a SmolLM2 pass). Only with
+# while Python builds the rest of the pass (milliseconds of graph building a pass). Only with
 # the native products: OpenBLAS's threads wait for each other spinning, and a Python thread
 # building beside them on a 2-core CPU made its products several times slower.
 OVERLAP_EVERY = 3

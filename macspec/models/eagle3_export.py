@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ModelError
+from ..base.errors import ModelError
 from .eagle3 import FORMATS, SPECFORGE_ARCH, Eagle3Checkpoint, Eagle3Config, source_name
 
 # Flags each format's reference code implements (vLLM llama_eagle3.py / speculators config,

@@ -21,9 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import logs
+from ..base import logs
+from ..base.errors import MacspecError, ModelError, OptionError
 from ..core import hooks
-from ..errors import MacspecError, ModelError, OptionError
 
 log = logging.getLogger("macspec.models")
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ConvertError
-from ..logs import progress
+from ..base.errors import ConvertError
+from ..base.logs import progress
 from . import gguf_arch
 from .gguf_blocks import KEPT, keep_tensor
 from .gguf_read import (

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from . import gguf_mtp
 from .gguf_read import _gguf
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 from .gguf_read import TensorInfo, read_raw, row_chunks
 
 GROUP = 32

@@ -16,7 +16,7 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from ..errors import ConvertError, ModelError
+from ..base.errors import ConvertError, ModelError
 
 # Checkpoint name under model.layers.{n}. -> (shape given H and V); gguf-py's tensor maps turn
 # them into blk.{n}.nextn.* (MODEL_TENSOR.NEXTN_*).

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConvertError
+from ..base.errors import ConvertError
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # v1 (2023) used 32-bit counts; llama.cpp itself no longer reads it

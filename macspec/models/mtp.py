@@ -32,7 +32,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ModelError
+from ..base.errors import ModelError
 
 log = logging.getLogger(__name__)
 

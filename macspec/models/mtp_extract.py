@@ -4,7 +4,7 @@ The main model goes through mlx-lm's own loader, which drops these weights (its 
 heads are read here from the same safetensors. A head's decoder layer gets the transforms mlx-lm
 applies to the model's own layers (experts stacked, DeepSeek's kv_b_proj split, Qwen3-Next's
 zero-centred norm gains, FP8 blocks decoded), so that the target's decoder-layer class loads it
-as it is; tests/test_mtp.py checks each transform against mlx-lm's on a trunk layer.
+as it is; tests/models/test_mtp.py checks each transform against mlx-lm's on a trunk layer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-from ..errors import ModelError
+from ..base.errors import ModelError
 from .mtp import (
     Layout,
     MtpConfig,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConvertError, ModelError, OptionError
-from ..paths import models_dir
+from ..base.errors import ConvertError, ModelError, OptionError
+from ..base.paths import models_dir
 from . import mtp
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).

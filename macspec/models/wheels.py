@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import ConvertError, ModelError
+from ..base.errors import ConvertError, ModelError
 
 _CHUNK = 1 << 20
 _SHA_CHARS = frozenset("0123456789abcdef")

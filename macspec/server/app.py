@@ -19,8 +19,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import api, chat_template, grammar, tool_calls
-from ..pair import Pair
+from ..api import chat_template, grammar, tool_calls
+from ..api import stream as api
+from ..api.pair import Pair
 from . import logprobs, protocol
 from .protocol import DONE, HTTPError, Request, chunk, error_body, sse
 from .scheduler import END, Job, Scheduler

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api import _stream, check_length, prompt_ids
+from ..api.options import GenerationOptions
+from ..api.pair import Pair
+from ..api.stream import _stream, check_length, prompt_ids
 from ..core.batch import shared_reason
 from ..core.batch_rounds import BatchDriver, Row, row_rounds
-from ..options import GenerationOptions
-from ..pair import Pair
 from .scheduler import END, Job, Scheduler
 
 

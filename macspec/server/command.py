@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from ..api.options import GenerationOptions
+from ..base.errors import OptionError
 from ..cli.common import add_pair_args, announce, generation_options, load_pair
-from ..errors import OptionError
-from ..options import GenerationOptions
 
 DEFAULT_PORT = 8080
 
@@ -56,7 +56,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..pair import prompt_cache
+    from ..api.pair import prompt_cache
     from .app import create_app
     from .batching import BatchScheduler
 

@@ -1,5 +1,5 @@
 """OpenAI's request and response shapes: a request body checked field by field into the generation
-options (macspec/options.py), and the answers, chunks, usage and error objects built from
+options (macspec/api/options.py), and the answers, chunks, usage and error objects built from
 RoundEvents and GenerationStats."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import chat_template, tool_calls
-from ..api import GenerationStats
-from ..errors import MacspecError, OptionError, PromptError
-from ..options import NAMES, GenerationOptions
-from ..tool_calls import Choice, ToolCall
+from ..api import chat_template, tool_calls
+from ..api.options import NAMES, GenerationOptions
+from ..api.stream import GenerationStats
+from ..api.tool_calls import Choice, ToolCall
+from ..base.errors import MacspecError, OptionError, PromptError
 from .logprobs import MAX_TOP
 
 

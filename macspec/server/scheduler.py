@@ -14,10 +14,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api import GenerationStream, stream_generate
-from ..errors import MacspecError
-from ..mlx_thread import MlxThread
-from ..pair import Pair
+from ..api.mlx_thread import MlxThread
+from ..api.pair import Pair
+from ..api.stream import GenerationStream, stream_generate
+from ..base.errors import MacspecError
 
 END = object()  # the last item of a job's queue after its final event
 

@@ -14,8 +14,8 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from .. import platform_info as be
-from .. import switches
+from ..base import platform_info as be
+from ..base import switches
 from ..core import caches, hooks
 from ..core.sampling import SamplingOptions, distribution, sample
 from ..core.target import hidden_states, output_head
@@ -144,8 +144,7 @@ def advice(report: dict[str, Any]) -> list[str]:
     core = (report.get("openblas") or {}).get("core", "")
     forced = report.get("openblas_coretype_env")
     if forced and report.get("cpu_avx512") and core.lower() not in be.AVX512_OPENBLAS_CORES:
-        # Measured on a 2-core AMD EPYC (Zen 5): SmolLM2-135M float32, one token 46 ms with the
-        # Haswell kernels, 38 ms with the Cooperlake ones OpenBLAS picks itself.
+        # The figure in the note: docs/cpu.md, "figures behind the code".
         notes.append(
             f"OPENBLAS_CORETYPE={forced} forces OpenBLAS's {core} kernels on a CPU with AVX-512: "
             "unset it and OpenBLAS picks its AVX-512 kernels (a SmolLM2-135M float32 step on a "

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import logs
-from ..errors import ModelError, OptionError
+from ..base import logs
+from ..base.errors import ModelError, OptionError
 from ..models.fidelity import Report, score
 
 log = logging.getLogger("macspec.tools")
@@ -27,7 +27,7 @@ log = logging.getLogger("macspec.tools")
 def _load(name: str):
     """(model, tokenizer) of a store name, a model directory or a GGUF file (decoded to float32
     in a temporary directory: its exact weights)."""
-    from .. import pair as pairs
+    from ..api import pair as pairs
     from ..models.gguf import gguf_to_hf, is_gguf
 
     path = Path(name).expanduser()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import OptionError, PromptError
+from ..base.errors import OptionError, PromptError
 
 KINDS = ("code", "chat", "grounded", "creative")
 

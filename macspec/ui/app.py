@@ -19,9 +19,9 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.widgets import Footer, Header, Input, Static
 
-from ..errors import MacspecError, OptionError, PromptError
-from ..mlx_thread import MlxThread
-from ..options import DEFAULTS, NAMES
+from ..api.mlx_thread import MlxThread
+from ..api.options import DEFAULTS, NAMES
+from ..base.errors import MacspecError, OptionError, PromptError
 from .chart import AcceptChart
 from .transcript import DRAFT, REJECTED, TARGET, Reply, finish_label, num, pct
 
@@ -45,7 +45,7 @@ CHART_ROUNDS = 200  # more than the panel is wide; the chart shows the latest
 def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
     """Build the chat app around a loaded pair (`macspec.load()`).
 
-    Options: the generation options of `macspec.generate` (macspec/options.py; None = their
+    Options: the generation options of `macspec.generate` (macspec/api/options.py; None = their
     default) and the UI's own: `system` (system prompt), `show_rejected` (bool),
     `rejected_linger` (seconds, None keeps them), `timings` (False shows no timing numbers, for
     reproducible screenshots), `title`.

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
-from ..errors import MacspecError
+from ..base.errors import MacspecError
 from .transcript import DRAFT, REJECTED, TARGET, Reply, Span, finish_label
 
 # 256-colour codes close to the app's Okabe-Ito blue/orange; the target's tokens are also bold

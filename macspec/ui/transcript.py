@@ -2,7 +2,8 @@
 engine's running statistics, both taken from `RoundEvent`s as they come.
 
 Both the Textual app and the plain ANSI mode feed events into a `Reply` and draw its spans; the
-engine decodes the ids and counts the statistics (macspec/text.py, macspec/api.py), not the UI.
+engine decodes the ids and counts the statistics (macspec/api/text.py, macspec/api/stream.py),
+not the UI.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..text import DRAFT, ORIGINS, REJECTED, TARGET
+from ..api.text import DRAFT, ORIGINS, REJECTED, TARGET
 
 __all__ = ["DRAFT", "ORIGINS", "REJECTED", "TARGET", "Reply", "Span", "finish_label"]
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import macspec
-from macspec import api
+from macspec.api import stream as api
 from macspec.server.command import serving
 from macspec.server.scheduler import END, Scheduler
 from support.tinymodels import make_tiny_model

@@ -35,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import CacheList
 
-from ...errors import CacheError
+from ...base.errors import CacheError
 from .recurrent import RecurrentCache
 from .rewind import TRIMMABLE, layers, length
 from .window import WindowKVCache

@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ...errors import CacheError
+from ...base.errors import CacheError
 from .rewindable import Rewindable
 
 

@@ -37,7 +37,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from ...errors import CacheError, ModelError
+from ...base.errors import CacheError, ModelError
 from ..memory import clear_on_gpu
 from .recurrent import RecurrentCache, _active, _hook
 from .window import WindowKVCache

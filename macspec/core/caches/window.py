@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from ...errors import CacheError
+from ...base.errors import CacheError
 from .rewindable import Rewindable
 
 

@@ -3,7 +3,7 @@
 REGISTRY maps each drafter's name (its `name`, as a pair's drafter kind shows it) to its class,
 as llama.cpp's common/speculative.cpp maps its speculative types; `register` adds one."""
 
-from ...errors import OptionError
+from ...base.errors import OptionError
 from .base import DistFn, Drafter, Proposal
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter

@@ -25,7 +25,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...errors import CacheError, ModelError
+from ...base.errors import CacheError, ModelError
 from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample

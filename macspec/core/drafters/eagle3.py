@@ -29,7 +29,7 @@ from mlx_lm.models import llama, qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...errors import ModelError
+from ...base.errors import ModelError
 from .. import hooks
 from .eagle import STOP_BELOW, EagleDrafter
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...errors import OptionError
+from ...base.errors import OptionError
 from .. import tree
 from ..caches import DraftState
 from .base import DistFn, Drafter, Proposal, catch_up_time

@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ...errors import CacheError, ModelError
+from ...base.errors import CacheError, ModelError
 from .. import caches, tree
 from ..caches import DraftState
 from ..sampling import sample

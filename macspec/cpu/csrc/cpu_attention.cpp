@@ -1,5 +1,5 @@
 // Attention of a few query rows over the KV cache, one primitive: on MLX's CPU backend it is a
-// graph of generic ops otherwise (about 200 us a layer here at a short context).
+// graph of generic ops otherwise, most of its time dispatch at a short context (docs/cpu.md).
 //
 // Every row (and every head of a row) is computed alone, in the same order whatever the number
 // of rows and threads, so a plain step and a verification row agree bit for bit.

@@ -1,8 +1,8 @@
 // A llama/qwen2 decoder layer of a few rows as two primitives around the KV cache's update:
 // (norm, the q/k/v products, RoPE), here, and (attention, the output product, the residual, norm,
 // the gate/up products, SwiGLU, the down product, the residual), cpu_attn_mlp.cpp. On MLX's CPU
-// backend every op costs the Python thread an allocation and a hand-off to the stream (~19 us
-// here all told), and on a 2-core CPU that thread takes its core from the products: 17 ops a
+// backend every op costs the Python thread an allocation and a hand-off to the stream, and on a
+// 2-core CPU that thread takes its core from the products: 17 ops a
 // layer become 6.
 //
 // The weights are float32 or MLX's affine 4/8-bit layout, all of a layer's alike (block.h's Mats,

@@ -1,7 +1,7 @@
 // The rest of a decoder layer on MLX's CPU backend, one primitive each: RMS norm, SwiGLU, RoPE
 // with the split into heads (attention: cpu_attention.cpp). MLX runs each of
-// these on the CPU as a graph of generic ops, 10-200 us apiece here, most of it dispatch (about
-// 2,000 ops a SmolLM2 pass); one primitive costs about 3 us plus its arithmetic.
+// these on the CPU as a graph of generic ops, most of their time dispatch (thousands of ops a
+// pass); one primitive costs a few microseconds plus its arithmetic (docs/cpu.md).
 //
 // Every row (and every head of a row) is computed alone, in the same order whatever the number
 // of rows and threads, so a plain step and a verification row agree bit for bit.

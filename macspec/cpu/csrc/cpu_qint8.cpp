@@ -39,8 +39,8 @@ constexpr int MSUPER = 64;  // rows of x whose float sums are kept at a time
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // quantize_group's loops on 16 lanes (G a multiple of 16), the same values: vcvtps2dq rounds in
-// the rounding mode as nearbyint does. A pass of 5-8 rows spent ~1 ns an element in the scalar
-// loops, on one core while the others waited (docs/cpu.md, "Each thread its own stretch of rows").
+// the rounding mode as nearbyint does. A pass of 5-8 rows spent a large share of its time in the
+// scalar loops, on one core while the others waited (docs/cpu.md, "Each thread its own stretch of rows").
 uint32_t top_bits(const float* x, int G) {
   __m512i top = _mm512_setzero_si512();
   for (int k = 0; k < G; k += 16) {

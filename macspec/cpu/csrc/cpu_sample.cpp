@@ -1,6 +1,6 @@
 // Sampling over a whole vocabulary on MLX's CPU backend, one primitive each: softmax(x / T), the
 // argmax and the inverse-CDF draw of (rows, V) float32 rows. MLX's CPU ops run these on one core
-// (~1 ms a row of 152k ids for the softmax); here the threads share fixed segments of each row,
+// (docs/cpu.md has the figures); here the threads share fixed segments of each row,
 // and every sum adds the segments' partial sums in order, so a row's result is the same whatever
 // the number of rows and threads.
 
@@ -25,7 +25,7 @@ namespace macspec {
 // ---------------------------------------------------------------- softmax over a vocabulary
 
 // softmax(x * scale) over the last axis of float32 rows: a sampling distribution over a whole
-// vocabulary (152k ids), which MLX's CPU ops compute on one core in about 1 ms a row. Each row is
+// vocabulary (152k ids), which MLX's CPU ops compute on one core. Each row is
 // cut into fixed segments that the threads share; the sum adds the segments' partial sums in
 // order, so a row's result is the same whatever the number of rows and threads.
 constexpr size_t SOFTMAX_SEGMENT = 8192;

@@ -13,7 +13,7 @@ constexpr int L = 16;  // lanes of one vector (two registers with AVX2, one with
 
 // How many such vectors the register file holds. The blocks below keep their accumulators, the
 // weight vectors and one x vector in registers; past this they spill to the stack on every
-// step (AVX2 with AVX-512's blocks ran 2 rows 3x slower than BLAS).
+// step (AVX2 with AVX-512's blocks ran slower than BLAS: docs/cpu.md).
 #if defined(__AVX512F__)
 constexpr int VREGS = 32;
 #elif defined(__AVX__) || defined(__aarch64__)
@@ -45,7 +45,7 @@ static inline vf to_vf(vi v) {
 }
 
 // 16 bytes widened to 16 int32 lanes (GCC turns __builtin_convertvector into byte-by-byte
-// inserts here, 5x slower than the one instruction).
+// inserts here, several times slower than the one instruction).
 static inline vi widen16(const uint8_t* p) {
   vi r;
   __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
@@ -78,7 +78,7 @@ static inline vf fold(vf a, vf b) {
 }
 #else
 // Without AVX-512 GCC keeps 64-byte vectors on the stack and moves every step through memory
-// (AVX2 ran a 2-row product 5x slower than BLAS): the 16 lanes are two 8-lane halves here,
+// (AVX2 ran a 2-row product slower than BLAS): the 16 lanes are two 8-lane halves here,
 // with the same lanes in the same order, so every sum is taken as with AVX-512.
 typedef float f8 __attribute__((vector_size(32)));
 typedef float f8u __attribute__((vector_size(32), aligned(4)));

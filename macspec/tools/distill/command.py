@@ -12,11 +12,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...api.pair import load
+from ...base.errors import OptionError, PromptError
 from ...core.drafters.eagle import TargetParts, draft_config
-from ...errors import OptionError, PromptError
 from ...models.draft_files import load_draft, save_draft
 from ...models.store import _looks_like_path, store_root, validate_name
-from ...pair import load
 from .config import DistillConfig, add_arguments
 from .data import (
     DATA_ROWS,

@@ -1,7 +1,7 @@
 """The options of `macspec distill`, each defined once: name, default, check and help.
 
 They are `distill()`'s keywords and the command's flags (--batch-rows for batch_rows), as
-macspec/options.py does for the generation options.
+macspec/api/options.py does for the generation options.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import argparse
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ...errors import OptionError
-from ...options import check_count
+from ...api.options import check_count
+from ...base.errors import OptionError
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...errors import MacspecError, OptionError
+from ...base.errors import MacspecError, OptionError
 from .progress import bar, end_bar, hms
 from .train_prompts import TRAIN_TEXTS
 
@@ -49,7 +49,7 @@ def training_prompts(pair: Any, prompts_file: str | None = None) -> list[list[in
 
 def chat_ids(pair: Any, texts: list[str]) -> list[list[int]]:
     """Token ids of each text as a user's message, chat template applied."""
-    from ...api import prompt_ids
+    from ...api.stream import prompt_ids
 
     return [prompt_ids(pair, messages=[{"role": "user", "content": t}]) for t in texts]
 

@@ -10,8 +10,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...api import generate, prompt_ids
-from ...errors import MacspecError
+from ...api.stream import generate, prompt_ids
+from ...base.errors import MacspecError
 from ..prompts import builtin_prompts
 from .data import Dataset
 from .progress import bar, end_bar

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...errors import PromptError
+from ...base.errors import PromptError
 from ..prompts import BUILTIN
 from .data import sample_rows
 from .progress import bar, end_bar, hms
@@ -35,8 +35,8 @@ HELD_OUT_WORDS = (
 
 def open_user_turn(pair: Any) -> list[int]:
     """The ids of the target's chat template up to where a user's message would begin."""
-    from ... import chat_template
-    from ...api import prompt_ids
+    from ...api import chat_template
+    from ...api.stream import prompt_ids
 
     text = chat_template.render(pair.tokenizer, [{"role": "user", "content": _MARK}])
     if _MARK not in text:

@@ -17,8 +17,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ...base.errors import ModelError
 from ...core.drafters.eagle import EagleDraft
-from ...errors import ModelError
 from ...models.draft_files import read_draft_for
 from ...models.store import resolve_model
 from .data import Dataset, choose_vocab, save_atomic

@@ -1,0 +1,108 @@
+"""The speculative core (macspec/core) stays backend-neutral: it imports mlx, mlx-lm, numpy, the
+standard library and the project's errors and switches only; never the CPU package, the models,
+a front end, a subprocess or a print. Checked from the source and by importing it alone."""
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import macspec
+
+CORE = Path(macspec.__file__).parent / "core"
+ALLOWED = ("mlx", "mlx_lm", "numpy", "macspec.core", "macspec.base.errors", "macspec.base.switches")
+NO_IO = {"subprocess", "shutil", "tempfile", "socket"}
+
+
+def _from(module: str, aliases: list[ast.alias]) -> list[str]:
+    """What `from module import a, b` imports: each submodule by name (`from ..base import
+    switches` is macspec.base.switches), else the module."""
+    subs = [f"{module}.{a.name}" for a in aliases]
+    if module.startswith("macspec"):
+        where = CORE.parent.joinpath(*module.split(".")[1:])
+        found = [n for n, a in zip(subs, aliases, strict=True) if _is_module(where, a.name)]
+        return found + ([module] if len(found) < len(subs) else [])
+    return [module]
+
+
+def _is_module(package: Path, name: str) -> bool:
+    return (package / f"{name}.py").is_file() or (package / name / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> list[str]:
+    """Absolute names of every module `path` imports (relative ones resolved)."""
+    package = "macspec." + ".".join(path.relative_to(CORE.parent).with_suffix("").parts[:-1])
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+                names += _from(module, node.names)
+            else:
+                names += _from(node.module, node.names)
+    return names
+
+
+def _allowed(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in sys.stdlib_module_names or any(
+        name == a or name.startswith(a + ".") for a in ALLOWED
+    )
+
+
+def test_every_core_module_imports_only_what_the_core_may():
+    files = sorted(CORE.rglob("*.py"))
+    assert len(files) > 15  # the walk found the core
+    found = {str(f.relative_to(CORE)): [n for n in _imports(f) if not _allowed(n)] for f in files}
+    assert {f: bad for f, bad in found.items() if bad} == {}
+
+
+def test_the_import_check_sees_a_forbidden_import(tmp_path):
+    # The check above must be able to fail: a relative import of the CPU package is caught.
+    assert not _allowed("macspec.cpu.kernels")
+    names = _imports(CORE / "loop.py")
+    assert "macspec.core.caches" in names and all(_allowed(n) for n in names)
+    assert not _allowed("macspec.models.store") and not _allowed("macspec.api.pair")
+
+
+def test_the_core_does_no_io():
+    for path in sorted(CORE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        calls = {
+            n.func.id
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
+        assert not calls & {"print", "open", "input"}, path
+        assert not {n.split(".")[0] for n in _imports(path)} & NO_IO, path
+
+
+@pytest.mark.subprocess
+def test_the_core_imported_alone_loads_no_cpu_package():
+    # Stands in for `macspec/__init__.py` (which installs the CPU package) with a bare package,
+    # so that only what the core itself imports is loaded.
+    code = f"""
+import importlib, json, pkgutil, sys, types
+pkg = types.ModuleType("macspec")
+pkg.__path__ = [{str(CORE.parent)!r}]
+sys.modules["macspec"] = pkg
+import macspec.core
+for m in pkgutil.walk_packages(macspec.core.__path__, "macspec.core."):
+    importlib.import_module(m.name)
+print(json.dumps(sorted(n for n in sys.modules if n.startswith("macspec"))))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout)
+    assert "macspec.core.loop" in loaded and "macspec.core.drafters.eagle" in loaded
+    # macspec.base itself: the package of errors and switches (a docstring, nothing else)
+    assert [n for n in loaded if n not in ("macspec", "macspec.base") and not _allowed(n)] == []
+    from macspec.core import hooks
+
+    assert hooks.installed().name == "cpu"  # while `import macspec` installs it
