@@ -23,7 +23,7 @@ from macspec.core.drafters.pruned import frequent_ids, prune_head
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 from macspec.core.verify import make_dist, plain_step
-from macspec.api.pair import _special_ids
+from macspec.api.drafters import special_ids
 from macspec.tools.prompts import builtin_prompts, load_prompts
 
 TEXT = "Write a Python function that reads a CSV file and sums a column. " * 4
@@ -32,7 +32,7 @@ COVERAGE_SIZES = (4096, 8192, 16384, 24576, 32768, 49152, 65536)
 
 def cost(pair: macspec.Pair, sizes: list[int], repeats: int, k: int = 3) -> None:
     vocab = pair.vocab_size
-    heads = {s: prune_head(pair.draft, vocab, s, _special_ids(pair)) for s in sizes}
+    heads = {s: prune_head(pair.draft, vocab, s, special_ids(pair)) for s in sizes}
     prompt = pair.tokenizer.encode(TEXT)
     target, best = Target(pair.target, vocab), {}
     for rep in range(repeats + 1):  # the first round warms up
@@ -70,7 +70,7 @@ def coverage(pair: macspec.Pair, output: str) -> None:
     for i, p in enumerate(prompts):
         r = macspec.generate(pair, messages=p.messages, max_tokens=128, temperature=0.0)
         tokens[f"{i}-{p.name}/{p.kind}"] = r.tokens
-    keep = _special_ids(pair)
+    keep = special_ids(pair)
     shares = {}
     for size in COVERAGE_SIZES:
         ids = set(frequent_ids(size, pair.vocab_size, keep).tolist())

@@ -3,8 +3,6 @@ can speculate together exactly (tokenizer, caches), the drafter, and the machine
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 import os
 import time
@@ -17,25 +15,21 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..base import switches
-from ..base.errors import MacspecError, ModelError, OptionError
+from ..base.errors import OptionError
 from ..core import (
     Costs,
     Drafter,
-    HybridDrafter,
-    ModelDrafter,
-    NgramDrafter,
     Observations,
     PromptCache,
     Timing,
     caches,
-    drafter_class,
-    hooks,
 )
-from ..core.drafters.pruned import chosen_size, prune_head
-from ..models.compat import check_tokenizers
 from ..models.mtp import summary as mtp_summary
 from ..models.store import resolve_model
+from . import drafters
+from .drafters import DRAFTERS, OWN_DRAFTERS
 from .kept_costs import calibrate
+from .loading import checked_caches, context_length, embedding_rows, load_model, tokenizer_vocab
 
 
 @dataclass
@@ -65,6 +59,7 @@ class Pair:
     kernels: bool = True  # CPU layer kernels on the target and the draft (load(kernels=...))
     draft_cache_kinds: dict[str, int] = field(default_factory=dict)
     draft_vocab: int = 0  # ids a draft model's pruned head scores (drafters/pruned.py); 0: all
+    target_rows: int = 0  # the target's output rows (padding rows past the vocabulary included)
     # States kept between generations (core/caches/); None: every prompt is read whole.
     prompt_cache: PromptCache | None = None
     # A draft model reads only a prompt's last this many ids (0: all; load(draft_context=)).
@@ -128,60 +123,9 @@ class Pair:
 
 log = logging.getLogger("macspec")
 
-# A draft model stops drafting (adaptive K) when its own probability of a token is below this.
-DRAFT_CONFIDENCE = 0.3
 # The ids of a long prompt a draft model reads by default: its end only (docs/benchmarks.md,
 # "Long prompts": reading it all added 38-43% to the time to the first token at 2-4k ids).
 DRAFT_CONTEXT = 512
-# Drafter kinds a distilled draft directory can declare in its draft.json -> module with load_draft.
-FEATURE_DRAFTS = {"eagle": "macspec.models.draft_files", "eagle3": "macspec.models.eagle3_draft"}
-# load(drafter=...) choices (None: an n-gram copy when the context repeats, else the draft).
-DRAFTERS = {name: drafter_class(name).summary for name in ("model", "ngram", "mtp")}
-# Drafters that need no draft model (the context, the target's own heads).
-OWN_DRAFTERS = ("ngram", "mtp")
-
-
-def _load_model(
-    path: Path, group=None, use_kernels: bool = True
-) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    from mlx_lm.utils import load as mlx_load
-
-    if not (path / "config.json").is_file():
-        raise ModelError(f"{path} is not a model directory: config.json is missing")
-    if not list(path.glob("model*.safetensors")):
-        raise ModelError(f"{path} has no weights (model*.safetensors)")
-    if group is not None:  # only this rank's part of the weights (tensor or pipeline parallel)
-        from ..core import load_sharded
-
-        return load_sharded(path, group)
-    try:
-        # Never trust_remote_code: a model directory must not run its own code.
-        model, tokenizer, config = mlx_load(str(path), return_config=True)
-    except MacspecError:
-        raise
-    except Exception as e:  # mlx-lm raises ValueError/KeyError/RuntimeError from deep inside
-        raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
-    if use_kernels:
-        changed = hooks.accelerate_model(model)  # the CPU package's layers, where installed
-        log.info("%s: %d decoder layers switched by the %r hooks", path.name, changed, _hooks())
-    return model, tokenizer, config
-
-
-def _hooks() -> str:
-    return hooks.installed().name
-
-
-def _embedding_rows(model: nn.Module) -> int:
-    # The logits width is the only architecture-independent way to count output rows.
-    return int(model(mx.array([[0]])).shape[-1])
-
-
-def _context_length(config: dict) -> int:
-    for cfg in (config, config.get("text_config") or {}):
-        for key in ("max_position_embeddings", "n_ctx", "max_seq_len", "seq_length"):
-            if isinstance(cfg.get(key), int) and cfg[key] > 0:
-                return cfg[key]
-    return 1 << 20  # unknown: do not invent a limit
 
 
 def load(
@@ -224,25 +168,24 @@ def load(
     speculates = drafter in OWN_DRAFTERS or draft is not None
     if group is not None and group.rank() > 0:
         draft = None  # the draft runs on rank 0 only (core/sharded.py says why)
-    model, tokenizer, config = _load_model(target_path, group, kernels)
-    rows = _embedding_rows(model)
+    model, tokenizer, config = load_model(target_path, group, kernels)
+    rows = embedding_rows(model)
     pair = Pair(
         target=model,
         tokenizer=tokenizer,
         target_path=target_path,
-        context_length=_context_length(config),
+        context_length=context_length(config),
         eos_token_ids=frozenset(tokenizer.eos_token_ids),
         group=group,
         kernels=kernels,
         draft_context=draft_context,
     )
-    vocab = len(tokenizer._tokenizer)
     # Ids past the tokenizer's vocabulary are padding rows: never sample them from either model.
-    pair.vocab_size = min(rows, vocab)
+    pair.target_rows, pair.vocab_size = rows, min(rows, tokenizer_vocab(tokenizer))
     pair.cache_kinds = caches.kinds(model)
     if speculates:
-        pair.cache_kinds = _checked_caches(model, target_path, "target", pair.vocab_size)
-    _attach_drafter(pair, draft, drafter, rows, vocab)
+        pair.cache_kinds = checked_caches(model, target_path, "target", pair.vocab_size)
+    drafters.attach(pair, draft, drafter)
     if group is None:
         pair.prompt_cache = prompt_cache(switches.PROMPT_CACHE_MB.value())
     if pair.drafter_factory is not None and group is None and measure:
@@ -270,15 +213,11 @@ def share(pair: Pair, drafter: str | None) -> Pair:
     if drafter is None:
         make = pair.drafter_factory
         new.drafter_kind = f"{pair.drafter_kind}+ngram"
-        new.drafter_factory = lambda adaptive: HybridDrafter(
-            make(adaptive), NgramDrafter(stop_ids=_special_ids(new))
-        )
+        new.drafter_factory = drafters.with_ngram(new, make)
         return new
     new.draft, new.draft_path, new.draft_cache_kinds = None, None, {}
-    rows = _embedding_rows(pair.target)
-    vocab = len(pair.tokenizer._tokenizer)
-    new.vocab_size = min(rows, vocab)
-    _attach_drafter(new, None, drafter, rows, vocab)
+    new.vocab_size = min(pair.target_rows, tokenizer_vocab(pair.tokenizer))
+    drafters.attach(new, None, drafter)
     return new
 
 
@@ -300,41 +239,6 @@ def _check_drafter(target: object, draft: object, drafter: str | None) -> None:
         raise OptionError("drafter='model' needs a draft model: give draft=")
 
 
-def _attach_drafter(
-    pair: Pair, draft: str | os.PathLike | None, drafter: str | None, rows: int, vocab: int
-) -> None:
-    """The pair's drafter kind and factory: an n-gram copy, or the draft (a model or a feature
-    draft), behind an n-gram copy from the context unless drafter="model"."""
-    if drafter == "ngram":
-        pair.drafter_kind = "ngram"
-        pair.drafter_factory = lambda adaptive: NgramDrafter(stop_ids=_special_ids(pair))
-        return
-    if drafter == "mtp":
-        from ..models.mtp import drafter_factory
-
-        _, pair.drafter_factory = drafter_factory(
-            pair.target_path, pair.target, pair.vocab_size, pair.kernels
-        )
-        pair.drafter_kind = "mtp"
-        return
-    if draft is None:
-        return
-    pair.draft_path = resolve_model(draft)
-    kind = _feature_draft_kind(pair.draft_path)
-    if kind is not None:
-        module = importlib.import_module(FEATURE_DRAFTS[kind])
-        make = module.load_draft(pair.draft_path, pair)
-    else:
-        kind, make = "model", _attach_draft_model(pair, rows, vocab)
-    if drafter == "model":
-        pair.drafter_kind, pair.drafter_factory = kind, make
-    else:
-        pair.drafter_kind = f"{kind}+ngram"
-        pair.drafter_factory = lambda adaptive: HybridDrafter(
-            make(adaptive), NgramDrafter(stop_ids=_special_ids(pair))
-        )
-
-
 def prompt_cache(mib: str | float | None = None) -> PromptCache | None:
     """A prompt cache of `mib` MiB (None: the default size; 0: none)."""
     if mib is None:
@@ -346,65 +250,3 @@ def prompt_cache(mib: str | float | None = None) -> PromptCache | None:
     if size < 0:
         raise OptionError(f"the prompt cache size must be >= 0 MiB, not {mib}")
     return PromptCache(max_bytes=size) if size else None
-
-
-def _special_ids(pair: Pair) -> frozenset[int]:
-    """Control tokens (BOS, EOS, chat turn markers): never part of a copied n-gram proposal."""
-    ids = set(getattr(pair.tokenizer, "all_special_ids", None) or ()) | set(pair.eos_token_ids)
-    return frozenset(ids)
-
-
-def _attach_draft_model(pair: Pair, target_rows: int, vocab: int) -> Callable[[bool], Drafter]:
-    """Load an ordinary draft model into `pair` after checking it can draft for the target;
-    returns the factory of its drafter."""
-    pair.draft, draft_tokenizer, _ = _load_model(pair.draft_path, use_kernels=pair.kernels)
-    draft_rows = _embedding_rows(pair.draft)
-    # The draft must use the target's ids; refuse another tokenizer before generating anything.
-    check_tokenizers(
-        pair.tokenizer,
-        draft_tokenizer,
-        target_rows=target_rows,
-        draft_rows=draft_rows,
-        target_name=str(pair.target_path),
-        draft_name=str(pair.draft_path),
-    ).raise_for_errors()
-    pair.vocab_size = min(target_rows, draft_rows, vocab)
-    pair.draft_cache_kinds = _checked_caches(pair.draft, pair.draft_path, "draft", pair.vocab_size)
-    size = chosen_size(pair.vocab_size, switches.DRAFT_VOCAB.value())
-    head = prune_head(pair.draft, pair.vocab_size, size, _special_ids(pair))
-    pair.draft_vocab = head.size if head is not None else 0
-    return lambda adaptive: ModelDrafter(
-        pair.draft,
-        pair.vocab_size,
-        DRAFT_CONFIDENCE if adaptive else 0.0,
-        head,
-        context=pair.draft_context,
-    )
-
-
-def _checked_caches(model: nn.Module, where: Path, role: str, vocab: int) -> dict[str, int]:
-    """The model's cache kinds; refuses, before any output, one speculation cannot rewind."""
-    try:
-        return caches.check(model, vocab)
-    except ModelError as e:
-        raise ModelError(
-            f"the {role} model ({where}) cannot speculate exactly: {e}; "
-            "decode it plainly (speculative=False, or no draft)"
-        ) from None
-
-
-def _feature_draft_kind(path: Path) -> str | None:
-    """The kind a distilled draft declares in draft.json, "eagle3" for a published EAGLE-3
-    draft (its config.json says so), or None for an ordinary model."""
-    from ..models.eagle3_export import is_draft
-
-    meta = path / "draft.json"
-    if not meta.is_file():
-        return "eagle3" if is_draft(path) else None
-    try:
-        kind = json.loads(meta.read_text()).get("kind")
-    except (OSError, ValueError, AttributeError) as e:
-        raise ModelError(f"cannot read {meta}: {e}") from e
-    if kind not in FEATURE_DRAFTS:
-        raise ModelError(f"{meta} declares an unknown draft kind {kind!r}")
-    return kind

@@ -7,7 +7,8 @@ import argparse
 from typing import Any
 
 from ..api import options
-from ..api.pair import DRAFT_CONTEXT, DRAFTERS, Pair
+from ..api.drafters import DRAFTERS
+from ..api.pair import DRAFT_CONTEXT, Pair
 from ..base.errors import OptionError
 
 

@@ -528,7 +528,7 @@ def test_the_calibration_note_says_both_contexts(pair, monkeypatch):
 
 
 def test_the_registry_maps_each_drafter_name_to_its_class():
-    from macspec.api.pair import DRAFTERS
+    from macspec.api.drafters import DRAFTERS
     from macspec.core import drafters
 
     assert drafters.REGISTRY == {

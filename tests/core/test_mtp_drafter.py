@@ -67,7 +67,7 @@ def mtp_pair(path, **kw):
 
 def test_registered_and_described(targets):
     assert drafter_class("mtp") is MtpDrafter
-    assert "mtp" in macspec.api.pair.DRAFTERS
+    assert "mtp" in macspec.api.drafters.DRAFTERS
     pair = macspec.load(targets["deepseek_v3"], drafter="mtp", measure=False)
     assert pair.drafter_kind == "mtp"
     assert pair.describe() == "deepseek_v3, mtp drafting (2 MTP heads (deepseek layout))"
