@@ -95,7 +95,9 @@ def batched(pair: macspec.Pair) -> dict[str, list[int]]:
                 return made["row"]
 
             ids = api.prompt_ids(p, prompt)
-            stream = api._stream(p, ids, GenerationOptions.from_kwargs(max_tokens=30, **opts), rounds)
+            stream = api._stream(
+                p, ids, GenerationOptions.from_kwargs(max_tokens=30, **opts), rounds
+            )
             rows[i], answers[i] = (stream, made["row"]), []
         while rows:
             keys = list(rows)
