@@ -231,7 +231,7 @@ def _measure(src: Path, tmp: Path, q: str) -> None:
     info = json.loads((tmp / INFO_FILE).read_text())
     info["fidelity"] = {
         "reference": "the GGUF's blocks kept (-q keep)",
-        "text": "built-in sample (macspec/data/fidelity-sample.txt)",
+        "text": "built-in sample (models/fidelity-sample.txt)",
         "positions": r.positions,
         "kl_mean": round(r.kl_mean, 6),
         "kl_p99": round(r.kl_p99, 6),

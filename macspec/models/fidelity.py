@@ -24,12 +24,13 @@ import numpy as np
 from ..base import logs
 from ..base.errors import MacspecError, ModelError, OptionError
 from ..core import hooks
+from .store import DATA
 
 log = logging.getLogger("macspec.models")
 
 # A few paragraphs of prose and code written for this (no model has trained on them): what
 # convert scores a requantized model on.
-SAMPLE = Path(__file__).resolve().parent.parent / "data" / "fidelity-sample.txt"
+SAMPLE = DATA / "fidelity-sample.txt"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import data as macspec_data
 from ..base.errors import ConvertError, ModelError, OptionError
 from ..base.paths import models_dir
 from . import mtp
@@ -27,7 +28,9 @@ from . import mtp
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored model
-DATA = Path(__file__).resolve().parents[1] / "data"  # package data: the catalog, the draft
+# The shipped models (the repository's models/ folder, installed as the package `macspec.data`):
+# the catalog, the default draft. A real directory in every install, editable or not.
+DATA = Path(macspec_data.__file__).resolve().parent
 CATALOG = DATA / "catalog.json"
 _TMP_PREFIX = ".tmp-"
 
@@ -341,7 +344,7 @@ def list_models() -> list[ModelInfo]:
 
 
 def load_catalog(path: Path = CATALOG) -> list[dict]:
-    """The recommended target/draft pairs (macspec/data/catalog.json)."""
+    """The recommended target/draft pairs (models/catalog.json, installed as macspec/data)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -164,7 +164,14 @@ def test_the_link_check_finds_missing_files_and_headings(tmp_path):
     ]
     assert anchors(split(tmp_path / "other.md")[1]) == {"a-code-heading-yes", "twice", "twice-1"}
     assert not _exists("macspec.no_such_module") and not _exists("macspec.load.nothing")
-    assert _exists("macspec.load") and _exists("macspec/data/catalog.json")
+    assert _exists("macspec.load") and _exists("models/catalog.json")
+
+
+def test_models_readme_lists_every_catalog_pair():
+    from macspec.models.store import load_catalog
+
+    text = (ROOT / "models" / "README.md").read_text()
+    assert [p["name"] for p in load_catalog() if f"| `{p['name']}` |" not in text] == []
 
 
 def test_a_failing_block_fails(tmp_path):

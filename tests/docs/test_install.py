@@ -23,7 +23,8 @@ from macspec.base.errors import ModelError
 from macspec.models import default
 
 REPO = Path(__file__).resolve().parents[2]
-DRAFT_FILES = sorted(p.name for p in (REPO / "macspec" / "data" / "default-draft").iterdir())
+MODELS = REPO / "models"  # installed as the package data macspec.data (pyproject.toml)
+DRAFT_FILES = sorted(p.name for p in (MODELS / "default-draft").iterdir())
 
 
 def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
@@ -34,7 +35,8 @@ def _run(cmd: list, **kw) -> subprocess.CompletedProcess:
 def wheel(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"
-    shutil.copytree(REPO / "macspec", src / "macspec", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("macspec", "models"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     # Offline: the build backend comes from this environment (the [test] extra pins it).
@@ -77,6 +79,12 @@ def test_the_wheel_carries_the_catalog_and_the_default_draft(wheel):
     assert "macspec/data/catalog.json" in names
     assert {f"macspec/data/default-draft/{n}" for n in DRAFT_FILES} <= names
     assert "macspec/ui/chat.tcss" in names
+    # every package of the tree, and no module left out of the hand-kept list in pyproject.toml
+    tree = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "macspec").rglob("__init__.py")}
+    packed = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    assert packed == tree | {"macspec/data"}
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "macspec").rglob("*.py")}
+    assert modules <= names
     # the native kernels' sources, built on the user's machine
     assert {
         f"macspec/cpu/csrc/{n}"
@@ -130,7 +138,7 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
 
     pairs = _run([venv / "bin" / "macspec", "models", "--pairs", "--json"], env=env, cwd=venv)
     assert pairs.returncode == 0, pairs.stderr
-    shipped = json.loads((REPO / "macspec" / "data" / "catalog.json").read_text())["pairs"]
+    shipped = json.loads((MODELS / "catalog.json").read_text())["pairs"]
     assert json.loads(pairs.stdout) == shipped
 
 
