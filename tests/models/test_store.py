@@ -188,6 +188,27 @@ def test_ensure_pair_fetches_only_what_is_missing(tmp_path, monkeypatch):
         ensure_pair("q")
 
 
+def test_a_store_entry_converted_otherwise_than_the_catalog_says_is_named(
+    tmp_path, monkeypatch, caplog
+):
+    catalog_file = tmp_path / "catalog.json"
+    target = {"source": "org/big.gguf", "name": "big", "q": "keep"}
+    catalog_file.write_text(json.dumps({"pairs": [{"name": "p", "target": target}]}))
+    monkeypatch.setattr(store.load_catalog, "__defaults__", (catalog_file,))
+    path = make_tiny_model(store_root() / "big")
+    (path / store.INFO_FILE).write_text(json.dumps({"q": "4", "dtype": "float32"}))
+    with caplog.at_level("WARNING", logger="macspec.models"):
+        assert ensure_pair("p") == (path, None)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "'big' was converted with -q 4 --dtype float32" in message
+    assert "now converts it with -q keep (docs/models.md" in message and str(path) in message
+    caplog.clear()
+    (path / store.INFO_FILE).write_text(json.dumps({"q": "keep", "dtype": "float32"}))
+    with caplog.at_level("WARNING", logger="macspec.models"):
+        ensure_pair("p")
+    assert caplog.records == []
+
+
 def test_ensure_default_pair(monkeypatch, tmp_path):
     from macspec.models import default
 
