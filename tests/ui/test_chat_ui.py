@@ -18,9 +18,9 @@ import macspec
 from macspec import cli
 from macspec.api.chat_template import render as chat_prompt
 from macspec.ui import create_app
-from macspec.ui.app import STYLES
 from macspec.ui.plain import ANSI, answer, run_plain
 from macspec.ui.transcript import DRAFT, REJECTED, TARGET, Reply
+from macspec.ui.widgets import STYLES
 
 SIZE = (120, 36)
 # adaptive K follows measured timings; fixed K makes rounds (and so colours) reproducible
@@ -412,7 +412,7 @@ async def test_the_next_message_reads_only_its_new_tokens(chat_pair):
     async with app.run_test(size=SIZE) as pilot:
         await send(app, pilot, "hello there")
         await send(app, pilot, "and once more")
-        first, second = (reply.stats for reply, _ in app._replies)
+        first, second = (view.reply.stats for view in reply_views(app))
         assert first.cached_tokens == 0
         assert first.prompt_tokens < second.cached_tokens < second.prompt_tokens
         assert app.history[-1]["content"] == fresh_text(chat_pair, app.history[:-1], **OPTS40)
