@@ -4,37 +4,48 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.reactive import reactive
-from textual.widgets import Static
+from textual.widget import Widget
 
 from ..transcript import Reply, num, pct
 
 HIDDEN = "·"  # timing numbers change run to run; screenshots hide them
 
 
-class StatsPanel(Static):
+class StatsPanel(Widget):
     """Rounds, tokens, acceptance and speed of `reply` (its latest RoundEvent's statistics).
 
     A reply grows in place, round by round: `always_update` redraws on every assignment, also
-    of the same reply. With `timings=False` the numbers that depend on time show as `·`.
+    of the same reply, and the table is built when Textual paints (once a frame, however many
+    rounds came). With `timings=False` the numbers that depend on time show as `·`.
     """
 
+    DEFAULT_CSS = """
+    StatsPanel {
+        height: auto;
+    }
+    """
     BORDER_TITLE = "this answer"
 
-    reply: reactive[Reply | None] = reactive(None, always_update=True)
+    reply: reactive[Reply | None] = reactive(None, always_update=True, layout=True)
 
     def __init__(self, *, timings: bool = True, id: str | None = None) -> None:
         super().__init__(id=id)
         self.timings = timings
 
-    def watch_reply(self, reply: Reply | None) -> None:
+    @property
+    def content(self) -> Text:
+        """The text shown: one row per figure."""
         text = Text()
-        rows = self.rows(reply)
+        rows = self.rows(self.reply)
         for i, (name, value) in enumerate(rows):
             text.append(f"{name:<14}", style="dim")
             text.append(value, style="bold")
             if i < len(rows) - 1:
                 text.append("\n")
-        self.update(text)
+        return text
+
+    def render(self) -> Text:
+        return self.content
 
     def rows(self, reply: Reply | None) -> list[tuple[str, str]]:
         stats = reply.stats if reply is not None else None
