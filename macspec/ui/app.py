@@ -68,6 +68,9 @@ class GenerationDone(Message):
 
 
 class ChatApp(App):
+    """The conversation on the left, the side panel (legend, this answer's figures, the chart,
+    the next answer's settings) on the right; `send()` answers a message on the MLX thread."""
+
     CSS_PATH = "chat.tcss"
     TITLE = "macspec chat"
 
@@ -89,6 +92,12 @@ class ChatApp(App):
     ]
 
     show_rejected: reactive[bool] = reactive(True)  # bound to the legend and the conversation
+
+    # the widgets a round updates, found once on mount
+    conversation: Conversation
+    _stats: StatsPanel
+    _chart: AcceptChart
+    _settings: SettingsPanel
 
     def __init__(
         self,
@@ -135,6 +144,11 @@ class ChatApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # found once: a query for the side panel walks the whole conversation first
+        self.conversation = self.query_one(Conversation)
+        self._stats = self.query_one(StatsPanel)
+        self._chart = self.query_one(AcceptChart)
+        self._settings = self.query_one(SettingsPanel)
         if self.system:
             self.conversation.add(Text(f"system: {self.system}"), "system")
         self._show_settings()
@@ -142,20 +156,15 @@ class ChatApp(App):
             self._status(self.pair.calibration_note())
         self.query_one("#prompt", Input).focus()
 
-    @property
-    def conversation(self) -> Conversation:
-        return self.query_one(Conversation)
-
     def _show_settings(self) -> None:
-        self.query_one(SettingsPanel).options = dict(self.options)
+        self._settings.options = dict(self.options)
 
     def _show_progress(self, reply: Reply | None) -> None:
         """The side panel follows `reply` (None: no answer yet)."""
-        self.query_one(StatsPanel).reply = reply
-        chart = self.query_one(AcceptChart)
+        self._stats.reply = reply
         ceiling = reply.max_num_draft if reply is not None else 0
-        chart.ceiling = max(1, ceiling or self.options["num_draft"])
-        chart.data = reply.accepted_per_round[-CHART_ROUNDS:] if reply is not None else []
+        self._chart.ceiling = max(1, ceiling or self.options["num_draft"])
+        self._chart.data = reply.accepted_per_round[-CHART_ROUNDS:] if reply is not None else []
 
     def _status(self, message: str) -> None:
         self.query_one("#status", Static).update(message)

@@ -148,6 +148,19 @@ async def test_rejected_drafts_toggle_and_fade(chat_pair):
     assert reply.expire(now=0.6) and not reply.pending_rejected()
 
 
+@aio
+async def test_rejected_drafts_can_start_hidden(chat_pair):
+    app = create_app(chat_pair, **OPTS40, rejected_linger=None, show_rejected=False)
+    async with app.run_test(size=SIZE) as pilot:
+        assert "hidden" in str(app.query_one("#legend").content)
+        await send(app, pilot, "hello there")
+        (view,) = reply_views(app)
+        assert STYLES[REJECTED] not in spans_by_style(view)
+        assert view.reply.pending_rejected()  # kept, only not shown
+        await pilot.press("ctrl+r")
+        assert STYLES[REJECTED] in spans_by_style(view)
+
+
 def paced_after(rounds: int, app):
     """stream_generate that, after `rounds` rounds, waits (at most 10 s) for the app's stop flag:
     on a fast machine a tiny model would otherwise finish before Esc is pressed."""

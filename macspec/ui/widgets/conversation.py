@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
+from textual.widget import Widget
 from textual.widgets import Static
 
 from ..transcript import Reply
@@ -40,7 +41,7 @@ class Conversation(VerticalScroll):
     def clear(self) -> None:
         self.remove_children()
 
-    def _append(self, view: Static | ReplyView) -> None:
+    def _append(self, view: Widget) -> None:
         self.mount(view)
         self.anchor()  # to the end, and follow
 
