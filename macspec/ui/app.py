@@ -1,15 +1,15 @@
 """The `macspec chat` Textual app: a conversation whose tokens are coloured by where they came from.
 
-Generation runs on the app's one MLX thread (`MlxThread`), iterating `macspec.stream_generate` and
-handing the UI one update per verification round; Esc sets a flag it checks each round and closes
-the generator.
+The app composes the widgets (macspec/ui/widgets/) and sets their reactive state from the
+generation's events. Generation runs on the app's one MLX thread (`MlxThread`), iterating
+`macspec.stream_generate` and posting the UI one `RoundReady` per verification round; Esc sets a
+flag it checks each round and closes the generator.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import on, work
@@ -17,32 +17,25 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
+from textual.reactive import reactive
 from textual.widgets import Footer, Header, Input, Static
 
 from ..api.mlx_thread import MlxThread
 from ..api.options import DEFAULTS, NAMES
 from ..base.errors import MacspecError, OptionError, PromptError
-from .chart import AcceptChart
-from .transcript import DRAFT, REJECTED, TARGET, Reply, finish_label, num, pct
+from .transcript import Reply, finish_label, num, pct
+from .widgets import AcceptChart, Conversation, Legend, ReplyView, SettingsPanel, StatsPanel
 
-# Okabe-Ito colours (safe for common colour-blindness) plus a style: origin never hangs on hue
-STYLES = {
-    DRAFT: "#56b4e9",
-    TARGET: "bold #e69f00",
-    REJECTED: "strike #cc79a7",
-}
-LEGEND = {
-    DRAFT: "draft, accepted",
-    TARGET: "target's own token",
-    REJECTED: "draft, rejected",
-}
+if TYPE_CHECKING:
+    from ..api.pair import Pair
+    from ..api.stream import RoundEvent
+
 UI_OPTIONS = ("system", "show_rejected", "rejected_linger", "timings", "title")
 MAX_K = 16
-REDRAW_INTERVAL = 1 / 30  # seconds; more redraws only take CPU from generation
 CHART_ROUNDS = 200  # more than the panel is wide; the chart shows the latest
 
 
-def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
+def create_app(pair: Pair, **options: Any) -> ChatApp:
     """Build the chat app around a loaded pair (`macspec.load()`).
 
     Options: the generation options of `macspec.generate` (macspec/api/options.py; None = their
@@ -55,13 +48,13 @@ def create_app(engine_or_pair: Any, **options: Any) -> ChatApp:
         raise OptionError(f"unknown chat option(s): {', '.join(sorted(unknown))}")
     gen = {k: v for k, v in options.items() if k in NAMES and v is not None}
     ui = {k: v for k, v in options.items() if k in UI_OPTIONS}
-    return ChatApp(engine_or_pair, gen, **ui)
+    return ChatApp(pair, gen, **ui)
 
 
 class RoundReady(Message):
     """One verification round from the worker thread."""
 
-    def __init__(self, event: Any, conversation: int) -> None:
+    def __init__(self, event: RoundEvent, conversation: int) -> None:
         super().__init__()
         self.event, self.conversation = event, conversation
 
@@ -75,6 +68,9 @@ class GenerationDone(Message):
 
 
 class ChatApp(App):
+    """The conversation on the left, the side panel (legend, this answer's figures, the chart,
+    the next answer's settings) on the right; `send()` answers a message on the MLX thread."""
+
     CSS_PATH = "chat.tcss"
     TITLE = "macspec chat"
 
@@ -95,9 +91,17 @@ class ChatApp(App):
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
+    show_rejected: reactive[bool] = reactive(True)  # bound to the legend and the conversation
+
+    # the widgets a round updates, found once on mount
+    conversation: Conversation
+    _stats: StatsPanel
+    _chart: AcceptChart
+    _settings: SettingsPanel
+
     def __init__(
         self,
-        pair: Any,
+        pair: Pair,
         generation: dict[str, Any] | None = None,
         *,
         system: str | None = None,
@@ -110,106 +114,57 @@ class ChatApp(App):
         self.pair = pair
         self.options = {**DEFAULTS.to_dict(), **(generation or {})}
         self.system = system
-        self.show_rejected = show_rejected
+        self.set_reactive(ChatApp.show_rejected, show_rejected)
         self.rejected_linger = rejected_linger
         self.timings = timings
         self.title = title or "macspec chat"
         self.sub_title = pair.describe()
         self.history: list[dict[str, str]] = []
-        self.reply: Reply | None = None
-        self.reply_view: Static | None = None
+        self.reply: Reply | None = None  # the answer being written
+        self.reply_view: ReplyView | None = None
         self.busy = False
         self.conversation_id = 0
         self._stop = threading.Event()
         self._mlx = MlxThread()  # one thread: one generation at a time on the pair
-        self._fading: tuple[Reply, Static | None] | None = None  # a finished reply still fading
-        self._replies: list[tuple[Reply, Static]] = []  # every reply shown, for redraws
-        self._redraw_pending = False
-        self._last_redraw = 0.0
         self._reset_history()
 
     # layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield Header()
         with Horizontal(id="main"):
-            yield VerticalScroll(id="conversation")
+            yield Conversation(id="conversation").data_bind(ChatApp.show_rejected)
             with VerticalScroll(id="side"):  # scrolls in short terminals
-                yield Static(self._legend(), id="legend")
-                yield Static(id="stats")
+                yield Legend(id="legend").data_bind(ChatApp.show_rejected)
+                yield StatsPanel(id="stats", timings=self.timings)
                 yield Static("accepted drafts per round", id="chart-label")
                 yield AcceptChart(id="chart", ceiling=max(1, self.options["num_draft"]))
-                yield Static(id="settings")
+                yield SettingsPanel(id="settings")
         yield Static("", id="status")
         yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#legend").border_title = "tokens"
-        self.query_one("#stats").border_title = "this answer"
-        self.query_one("#settings").border_title = "next answer"
+        # found once: a query for the side panel walks the whole conversation first
+        self.conversation = self.query_one(Conversation)
+        self._stats = self.query_one(StatsPanel)
+        self._chart = self.query_one(AcceptChart)
+        self._settings = self.query_one(SettingsPanel)
         if self.system:
-            self._add_message(Text(f"system: {self.system}"), "system")
-        self._show_stats(None)
+            self.conversation.add(Text(f"system: {self.system}"), "system")
         self._show_settings()
         if self.pair.calibration_time and self.timings:  # load() measured the machine: say so
             self._status(self.pair.calibration_note())
         self.query_one("#prompt", Input).focus()
-        self.set_interval(0.2, self._expire_rejected)
-
-    def _legend(self) -> Text:
-        text = Text()
-        for origin, label in LEGEND.items():
-            text.append("word", style=STYLES[origin])
-            text.append(f" {label}\n")
-        text.append("(ctrl+r: " + ("shown" if self.show_rejected else "hidden") + ")", style="dim")
-        return text
 
     def _show_settings(self) -> None:
-        k, t = self.options.get("num_draft"), self.options.get("temperature")
-        if k == 0:
-            line = "K 0 (plain)"
-        elif self.options.get("adaptive"):
-            line = f"K ≤{k} adaptive"
-        else:
-            line = f"K {k}"
-        line += f"   T {float(t or 0):.1f}"
-        seed = self.options.get("seed")
-        if seed is not None:
-            line += f"   seed {seed}"
-        self.query_one("#settings", Static).update(line)
+        self._settings.options = dict(self.options)
 
-    def _show_stats(self, reply: Reply | None) -> None:
-        """The engine's running statistics of this answer (the latest RoundEvent's)."""
-        stats = reply.stats if reply is not None else None
-        hidden = "·"  # timing numbers change run to run; screenshots hide them
-
-        def timing(text: str) -> str:
-            return text if self.timings else hidden
-
-        drafted = bool(stats and stats.drafted)
-        plain = 1 / stats.plain_step_time if stats and stats.plain_step_time else None
-        rows = [
-            ("rounds", str(stats.rounds if stats else 0)),
-            ("tokens", str(stats.generated_tokens if stats else 0)),
-            ("round speedup", timing(f"{num(reply and reply.last_speedup)}x")),
-            ("acceptance", pct(stats.acceptance_rate if drafted else None)),
-            ("accept length", num(stats.mean_accepted_length if drafted else None)),
-            ("last round", (reply.last_round if reply is not None else "") or "–"),
-            ("tok/s", timing(num(stats.tokens_per_second if stats else None, 1))),
-            ("plain tok/s", timing(num(plain, 1))),
-            ("overall", timing(f"{num(stats.speedup if stats else None)}x")),
-        ]
-        text = Text()
-        for i, (name, value) in enumerate(rows):
-            text.append(f"{name:<14}", style="dim")
-            text.append(value, style="bold")
-            if i < len(rows) - 1:
-                text.append("\n")
-        self.query_one("#stats", Static).update(text)
-        chart = self.query_one("#chart", AcceptChart)
+    def _show_progress(self, reply: Reply | None) -> None:
+        """The side panel follows `reply` (None: no answer yet)."""
+        self._stats.reply = reply
         ceiling = reply.max_num_draft if reply is not None else 0
-        chart.ceiling = max(1, ceiling or self.options["num_draft"])
-        chart.data = reply.accepted_per_round[-CHART_ROUNDS:] if reply is not None else []
+        self._chart.ceiling = max(1, ceiling or self.options["num_draft"])
+        self._chart.data = reply.accepted_per_round[-CHART_ROUNDS:] if reply is not None else []
 
     def _status(self, message: str) -> None:
         self.query_one("#status", Static).update(message)
@@ -217,30 +172,6 @@ class ChatApp(App):
     # conversation ---------------------------------------------------------------------------
     def _reset_history(self) -> None:
         self.history = [{"role": "system", "content": self.system}] if self.system else []
-
-    def _add_message(self, content: Any, kind: str) -> Static:
-        view = Static(content, classes=f"message {kind}")
-        self.query_one("#conversation", VerticalScroll).mount(view)
-        self._scroll_end()
-        return view
-
-    def _scroll_end(self) -> None:
-        self.query_one("#conversation", VerticalScroll).anchor()  # to the end, and follow
-
-    def _render_reply(self) -> None:
-        self._draw(self.reply, self.reply_view)
-        if self._fading is not None:
-            self._draw(*self._fading)
-
-    def _draw(self, reply: Reply | None, view: Static | None) -> None:
-        if reply is None or view is None:
-            return
-        text = Text()
-        for span in reply.spans:
-            if span.origin == REJECTED and not self.show_rejected:
-                continue
-            text.append(span.text, style=STYLES[span.origin])
-        view.update(text)
 
     def show_error(self, error: BaseException | str) -> None:
         """Put a readable error into the conversation (never a traceback)."""
@@ -250,7 +181,7 @@ class ChatApp(App):
             message = f"unexpected error: {type(error).__name__}: {error}"
         else:
             message = f"error: {error}"
-        self._add_message(Text(message), "error")
+        self.conversation.add(Text(message), "error")
 
     @on(Input.Submitted, "#prompt")
     def _submitted(self, event: Input.Submitted) -> None:
@@ -265,12 +196,11 @@ class ChatApp(App):
 
     def send(self, message: str) -> None:
         """Add a user message and start answering it."""
-        self._add_message(Text(message), "user")
+        self.conversation.add(Text(message), "user")
         self.history.append({"role": "user", "content": message})
         self.reply = Reply(linger=self.rejected_linger)
-        self.reply_view = self._add_message(Text(""), "assistant")
-        self._replies.append((self.reply, self.reply_view))
-        self._show_stats(self.reply)
+        self.reply_view = self.conversation.add_reply(self.reply)
+        self._show_progress(self.reply)
         self.busy = True
         self._stop = threading.Event()
         self._status("answering… (Esc stops)")
@@ -280,6 +210,7 @@ class ChatApp(App):
             options["speculative"] = False
         self._generate(list(self.history), options, self._stop, self.conversation_id)
 
+    # generation -----------------------------------------------------------------------------
     @work(exclusive=False, exit_on_error=False, group="generate")
     async def _generate(
         self, messages: list, options: dict[str, Any], stop: threading.Event, conversation: int
@@ -309,58 +240,48 @@ class ChatApp(App):
 
     @on(RoundReady)
     def _on_round(self, message: RoundReady) -> None:
-        if message.conversation != self.conversation_id or self.reply is None or self.reply.failed:
+        reply, view = self.reply, self.reply_view
+        if message.conversation != self.conversation_id or reply is None or reply.failed:
             return
         try:
-            self.reply.add_round(message.event)
+            reply.add_round(message.event)
         except Exception as e:  # e.g. a tokenizer that cannot decode: say so, stop, keep running
-            self.reply.failed = True
+            reply.failed = True
             self._stop.set()
             self.show_error(e)
             return
-        if self._redraw_pending:  # rounds arriving faster than the screen redraws share one
-            return
-        self._redraw_pending = True
-        wait = self._last_redraw + REDRAW_INTERVAL - time.monotonic()
-        if wait > 0:
-            self.set_timer(wait, self._redraw)
-        else:
-            self.call_later(self._redraw)
-
-    def _redraw(self) -> None:
-        self._redraw_pending = False
-        self._last_redraw = time.monotonic()
-        if self.reply is None:
-            return
-        # the conversation is anchored: it follows the answer unless the user scrolled up to read
-        self._render_reply()
-        self._show_stats(self.reply)
+        # the widgets redraw when Textual next paints: rounds that come faster share one frame
+        if view is not None:
+            view.changed()
+        self._show_progress(reply)
 
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
-        conversation, stopped, error = message.conversation, message.stopped, message.error
         self.busy = False
-        if conversation != self.conversation_id:
+        if message.conversation != self.conversation_id:
             return
-        self._redraw()
         reply, self.reply = self.reply, None
         view, self.reply_view = self.reply_view, None
-        if error is not None:
+        if view is not None:
+            view.done()
+        if message.error is not None:
             if view is not None and reply is not None and not reply.spans:
                 view.remove()
-                self._replies = [(r, v) for r, v in self._replies if v is not view]
-            if isinstance(error, PromptError):  # e.g. too long: let the user try again
+            if isinstance(message.error, PromptError):  # e.g. too long: let the user try again
                 self.history.pop()
-            self.show_error(error)
+            self.show_error(message.error)
             self._status("")
-            return
-        if reply is None:
-            return
-        if reply.failed:  # the error is already on screen; forget the unanswered message
+        elif reply is not None and reply.failed:  # the error is on screen; forget the message
             self.history.pop()
             self._status("stopped after an error")
-            return
-        self.history.append({"role": "assistant", "content": reply.text})
+        elif reply is not None:
+            self.history.append({"role": "assistant", "content": reply.text})
+            self._status(self._finish_line(reply, message.stopped))
+            if reply.finish_reason == "context":
+                self.show_error("the context is full: ctrl+n starts a new conversation")
+
+    def _finish_line(self, reply: Reply, stopped: bool) -> str:
+        """The status line once an answer is complete: why it ended and what it cost."""
         stats = reply.stats
         line = finish_label(reply.finish_reason, stopped)
         if stats is not None:
@@ -371,24 +292,7 @@ class ChatApp(App):
                 line += f" · {stats.arms_line()}"
             if self.timings:
                 line += f" · {num(stats.speedup)}x plain decoding"
-        self._status(line)
-        if reply.finish_reason == "context":
-            self.show_error("the context is full: ctrl+n starts a new conversation")
-        if reply.linger is not None and reply.pending_rejected():
-            # let the last rejected drafts fade like the others, then draw the final text
-            self._fading = (reply, view)
-        else:
-            self._draw(reply, view)
-
-    def _expire_rejected(self) -> None:
-        if self.reply is not None and self.reply.expire():
-            self._draw(self.reply, self.reply_view)
-        if self._fading is not None:
-            reply, view = self._fading
-            if reply.expire():
-                self._draw(reply, view)
-            if not reply.pending_rejected():
-                self._fading = None
+        return line
 
     # actions --------------------------------------------------------------------------------
     def action_stop(self) -> None:
@@ -399,21 +303,17 @@ class ChatApp(App):
     def action_new_chat(self) -> None:
         self._stop.set()
         self.conversation_id += 1
-        self.reply, self.reply_view, self._fading = None, None, None
-        self._replies = []
+        self.reply, self.reply_view = None, None
         self._reset_history()
-        self.query_one("#conversation", VerticalScroll).remove_children()
+        self.conversation.clear()
         if self.system:
-            self._add_message(Text(f"system: {self.system}"), "system")
-        self._show_stats(None)
+            self.conversation.add(Text(f"system: {self.system}"), "system")
+        self._show_progress(None)
         self._status("new conversation")
         self.query_one("#prompt", Input).focus()
 
     def action_toggle_rejected(self) -> None:
         self.show_rejected = not self.show_rejected
-        self.query_one("#legend", Static).update(self._legend())
-        for reply, view in self._replies:
-            self._draw(reply, view)
 
     def action_num_draft(self, delta: int) -> None:
         k = int(self.options.get("num_draft") or 0) + delta

@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..base.errors import MacspecError
 from .transcript import DRAFT, REJECTED, TARGET, Reply, Span, finish_label
+
+if TYPE_CHECKING:
+    from ..api.pair import Pair
 
 # 256-colour codes close to the app's Okabe-Ito blue/orange; the target's tokens are also bold
 ANSI = {DRAFT: "\x1b[38;5;74m", TARGET: "\x1b[1;38;5;214m", REJECTED: "\x1b[9;38;5;175m"}
@@ -45,7 +48,7 @@ def legend(color: bool) -> str:
 
 
 def answer(
-    pair: Any,
+    pair: Pair,
     messages: list[dict[str, str]],
     options: dict[str, Any],
     out: TextIO,
@@ -76,7 +79,7 @@ def answer(
 
 
 def run_plain(
-    pair: Any,
+    pair: Pair,
     options: dict[str, Any],
     *,
     system: str | None = None,

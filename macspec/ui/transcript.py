@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..api.text import DRAFT, ORIGINS, REJECTED, TARGET
+
+if TYPE_CHECKING:
+    from ..api.stream import GenerationStats, RoundEvent
 
 __all__ = ["DRAFT", "ORIGINS", "REJECTED", "TARGET", "Reply", "Span", "finish_label"]
 
@@ -52,7 +55,7 @@ class Reply:
 
     def __init__(self, linger: float | None = 0.8):
         self.spans: list[Span] = []
-        self.stats: Any = None  # the engine's GenerationStats after the latest round
+        self.stats: GenerationStats | None = None  # the engine's, after the latest round
         self.last_speedup: float | None = None  # the latest round against a plain step
         self.accepted_per_round: list[int] = []
         self.max_num_draft = 0
@@ -66,7 +69,7 @@ class Reply:
     def text(self) -> str:
         return "".join(s.text for s in self.spans if s.origin != REJECTED)
 
-    def add_round(self, event: Any, now: float | None = None) -> list[Span]:
+    def add_round(self, event: RoundEvent, now: float | None = None) -> list[Span]:
         """The event's pieces as spans (returned too, for streams that print as they go)."""
         now = time.monotonic() if now is None else now
         new = [

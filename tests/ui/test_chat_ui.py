@@ -18,9 +18,9 @@ import macspec
 from macspec import cli
 from macspec.api.chat_template import render as chat_prompt
 from macspec.ui import create_app
-from macspec.ui.app import STYLES
 from macspec.ui.plain import ANSI, answer, run_plain
 from macspec.ui.transcript import DRAFT, REJECTED, TARGET, Reply
+from macspec.ui.widgets import STYLES
 
 SIZE = (120, 36)
 # adaptive K follows measured timings; fixed K makes rounds (and so colours) reproducible
@@ -146,6 +146,19 @@ async def test_rejected_drafts_toggle_and_fade(chat_pair):
     assert reply.pending_rejected()
     assert not reply.expire(now=0.4)
     assert reply.expire(now=0.6) and not reply.pending_rejected()
+
+
+@aio
+async def test_rejected_drafts_can_start_hidden(chat_pair):
+    app = create_app(chat_pair, **OPTS40, rejected_linger=None, show_rejected=False)
+    async with app.run_test(size=SIZE) as pilot:
+        assert "hidden" in str(app.query_one("#legend").content)
+        await send(app, pilot, "hello there")
+        (view,) = reply_views(app)
+        assert STYLES[REJECTED] not in spans_by_style(view)
+        assert view.reply.pending_rejected()  # kept, only not shown
+        await pilot.press("ctrl+r")
+        assert STYLES[REJECTED] in spans_by_style(view)
 
 
 def paced_after(rounds: int, app):
@@ -412,7 +425,7 @@ async def test_the_next_message_reads_only_its_new_tokens(chat_pair):
     async with app.run_test(size=SIZE) as pilot:
         await send(app, pilot, "hello there")
         await send(app, pilot, "and once more")
-        first, second = (reply.stats for reply, _ in app._replies)
+        first, second = (view.reply.stats for view in reply_views(app))
         assert first.cached_tokens == 0
         assert first.prompt_tokens < second.cached_tokens < second.prompt_tokens
         assert app.history[-1]["content"] == fresh_text(chat_pair, app.history[:-1], **OPTS40)

@@ -11,6 +11,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.segment import Segment
 from rich.style import Style
 from textual.app import RenderResult as TextualRenderResult
+from textual.reactive import reactive
 from textual.widgets import Sparkline
 
 BARS = " ▁▂▃▄▅▆▇█"
@@ -47,11 +48,13 @@ class _Columns:
 
 
 class AcceptChart(Sparkline):
-    """Accepted drafts per round; `ceiling` (the largest K used) is a full-height bar."""
+    """Accepted drafts per round (`data`); `ceiling` (the largest K used) is a full-height bar."""
 
-    def __init__(self, *, ceiling: float = 4, **kwargs) -> None:
-        super().__init__([], **kwargs)
-        self.ceiling = ceiling
+    ceiling: reactive[float] = reactive(4.0)
+
+    def __init__(self, *, ceiling: float = 4, id: str | None = None) -> None:
+        super().__init__([], id=id)
+        self.set_reactive(AcceptChart.ceiling, ceiling)
 
     def render(self) -> TextualRenderResult:
         _, base = self.background_colors

@@ -1,0 +1,20 @@
+"""The chat app's widgets, one a module: each holds reactive state and draws itself from it."""
+
+from __future__ import annotations
+
+from .chart import AcceptChart
+from .conversation import Conversation
+from .legend import STYLES, Legend
+from .reply import ReplyView
+from .settings import SettingsPanel
+from .stats import StatsPanel
+
+__all__ = [
+    "STYLES",
+    "AcceptChart",
+    "Conversation",
+    "Legend",
+    "ReplyView",
+    "SettingsPanel",
+    "StatsPanel",
+]
