@@ -224,6 +224,28 @@ def test_every_attention_row_equals_that_row_alone(context, d):
         assert np.array_equal(np.array(alone)[0, 0], together[0, i])
 
 
+@pytest.mark.parametrize("heads,kv_heads,d", [(5, 1, 20), (8, 2, 64), (4, 4, 12), (14, 2, 128)])
+def test_query_heads_in_uneven_groups_agree_with_mlx_and_each_row_with_that_row_alone(
+    heads, kv_heads, d
+):
+    # Query heads sharing a key head are worked on in groups (of 3 with AVX-512, else 2), the
+    # keys 8 at a time and the values in blocks of vectors: here groups that do not divide the
+    # heads, head sizes with lanes left over, and keys that are not a multiple of 8.
+    rows, context = 7, 300
+    q, k, v = _attention_case(rows, context, heads=heads, kv_heads=kv_heads, d=d)
+    total, scale = context + rows, d**-0.5
+    causal = mx.arange(total)[None] <= mx.arange(context, total)[:, None]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=causal)
+    together = np.array(ext.attend(q, k, v, scale, True))
+    np.testing.assert_allclose(
+        together, np.array(want.transpose(0, 2, 1, 3).reshape(1, rows, -1)), atol=2e-6
+    )
+    for i in range(rows):
+        seen = context + i + 1
+        alone = ext.attend(q[:, :, i : i + 1], k[:, :, :seen], v[:, :, :seen], scale, True)
+        assert np.array_equal(np.array(alone)[0, 0], together[0, i])
+
+
 def test_bad_shapes_are_refused_with_a_message():
     q, k, v = _attention_case(2, 3)
     with pytest.raises(ValueError, match="macspec attend"):

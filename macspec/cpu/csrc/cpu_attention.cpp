@@ -29,22 +29,120 @@ namespace nb = nanobind;
 
 namespace macspec {
 
-// dot(a, b + r * step, n) for r = 0..3 into out[r], each summed exactly as dot() sums it.
-static inline void dot4(const float* a, const float* b, size_t step, int n, float* out) {
-  f8 acc[4] = {};
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const f8 x = load8(a + i);
-    for (int r = 0; r < 4; r++) {
-      acc[r] += x * load8(b + r * step + i);
+// Query heads worked on together, and the 8-float vectors of a value row each keeps in registers:
+// a key or value row is read once for the group. 32 vector registers (AVX-512) hold 3 heads x 8
+// keys of sums; AVX2's 16 hold fewer. Only the order memory is read in changes with these: every
+// score and weighed value is the same sum, in the same order, for any group.
+#if defined(__AVX512VL__)
+constexpr int HEADS = 3, VECS = 8;
+#else
+constexpr int HEADS = 2, VECS = 4;
+#endif
+
+// Keys a sub-block: its key (or value) rows stay in the first-level cache while every query head
+// of the group reads them. A multiple of 8, so the 8-key tiles below start where they would
+// without it, and a key's sum never depends on the sub-blocks.
+constexpr int SUB = 64;
+
+// The lanes of 8 vectors summed, lane r of the result = hsum8(a[r]): the same pairwise tree
+// (lane i + lane i + 4, then + 2, + 1), with 8 keys' sums moved through it together instead of a
+// scalar add per lane and key.
+static inline f8 hsum8x8(const f8* a) {
+  __m256 h[4];
+  for (int r = 0; r < 4; r++) {  // (a[r] + a[r + 4]) lanes i + (i + 4): [a[r] | a[r + 4]]
+    const __m256 x = (__m256)a[r], y = (__m256)a[r + 4];
+    h[r] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  }
+  // + 2: lanes (0, 1) + (2, 3) of each half, two vectors' halves side by side
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(h[0], h[1], 0x44),
+                                 _mm256_shuffle_ps(h[0], h[1], 0xEE));
+  const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(h[2], h[3], 0x44),
+                                 _mm256_shuffle_ps(h[2], h[3], 0xEE));
+  // + 1: lanes (0, 2) + (1, 3): [a0 a1 a2 a3 | a4 a5 a6 a7]
+  return (f8)_mm256_add_ps(_mm256_shuffle_ps(u, w, 0x88), _mm256_shuffle_ps(u, w, 0xDD));
+}
+
+// s[g][t] = dot(q[g], key t) for keys t0 <= t < t1 of G query heads: 8 keys at a time (each
+// key's 8 lanes summed over D, then hsum8, then the scalar tail, as dot() sums), the rest alone.
+template <int G>
+static void score_keys(const float* const* q, const float* kb, size_t kt, int t0, int t1, int D,
+                       float* const* s) {
+  const int D8 = D - D % 8;
+  int t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    f8 acc[G][8] = {};
+    for (int d = 0; d < D8; d += 8) {
+      f8 qv[G];
+      for (int g = 0; g < G; g++) {
+        qv[g] = load8(q[g] + d);
+      }
+      for (int r = 0; r < 8; r++) {
+        const f8 kv = load8(kb + (t + r) * kt + d);
+        for (int g = 0; g < G; g++) {
+          acc[g][r] += qv[g] * kv;
+        }
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      f8 sums = hsum8x8(acc[g]);
+      for (int r = 0; r < 8 && D8 < D; r++) {
+        for (int d = D8; d < D; d++) {
+          sums[r] += q[g][d] * kb[(t + r) * kt + d];
+        }
+      }
+      store8(s[g] + t, sums);
     }
   }
-  for (int r = 0; r < 4; r++) {
-    float s = hsum8(acc[r]);
-    for (int k = i; k < n; k++) {
-      s += a[k] * b[r * step + k];
+  for (; t < t1; t++) {
+    for (int g = 0; g < G; g++) {
+      s[g][t] = dot(q[g], kb + t * kt, D);
     }
-    out[r] = s;
+  }
+}
+
+// acc[g] += p[g][t] * value t over t0 <= t < t1 in order, for G query heads: V vectors of each
+// head's sums in registers at a time, each value vector read once for the group.
+template <int G, int V>
+static void weigh_keys(const float* const* p, const float* vb, size_t vt, int t0, int t1, int D,
+                       float* const* acc) {
+  int d0 = 0;
+  for (; d0 + 8 * V <= D; d0 += 8 * V) {
+    f8 a[G][V];
+    for (int g = 0; g < G; g++) {
+      for (int v = 0; v < V; v++) {
+        a[g][v] = load8(acc[g] + d0 + 8 * v);
+      }
+    }
+    for (int t = t0; t < t1; t++) {
+      const float* vr = vb + t * vt + d0;
+      for (int v = 0; v < V; v++) {
+        const f8 x = load8(vr + 8 * v);
+        for (int g = 0; g < G; g++) {
+          a[g][v] = a[g][v] + p[g][t] * x;
+        }
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      for (int v = 0; v < V; v++) {
+        store8(acc[g] + d0 + 8 * v, a[g][v]);
+      }
+    }
+  }
+  for (; d0 + 8 <= D; d0 += 8) {  // what is left of D: a vector at a time, then lanes
+    for (int g = 0; g < G; g++) {
+      f8 a = load8(acc[g] + d0);
+      for (int t = t0; t < t1; t++) {
+        a = a + p[g][t] * load8(vb + t * vt + d0);
+      }
+      store8(acc[g] + d0, a);
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    for (int t = t0; t < t1; t++) {
+      for (int d = d0; d < D; d++) {
+        acc[g][d] += p[g][t] * vb[t * vt + d];
+      }
+    }
   }
 }
 
@@ -78,34 +176,16 @@ constexpr int KEYS = 256;
 // Per row and query head it keeps its largest score, the sum of e^(score - largest) and the
 // values weighed by them. The pieces of a row are then joined in order (the usual rescaling by
 // e^(largest of piece - largest of all)), on one thread.
-template <int DV8>
-static void weigh_values(const float* p, const float* vb, size_t vt, int n, int D, float* acc) {
-  // acc += p[t] * v[t] over t in order, held in registers where D is a known multiple of 8.
-  if constexpr (DV8 > 0) {
-    f8 a[DV8];
-    for (int d = 0; d < DV8; d++) {
-      a[d] = load8(acc + 8 * d);
-    }
-    for (int t = 0; t < n; t++) {
-      const float* vr = vb + t * vt;
-      for (int d = 0; d < DV8; d++) {
-        a[d] = a[d] + p[t] * load8(vr + 8 * d);
-      }
-    }
-    for (int d = 0; d < DV8; d++) {
-      store8(acc + 8 * d, a[d]);
-    }
+// f.template operator()<G>() for a group of min(left, HEADS) query heads.
+template <typename F>
+static inline void by_heads(int left, F&& f) {
+  static_assert(HEADS <= 3);
+  if (left >= 3 && HEADS >= 3) {
+    f.template operator()<HEADS>();
+  } else if (left >= 2) {
+    f.template operator()<2>();
   } else {
-    const int DV = D - D % 8;
-    for (int t = 0; t < n; t++) {
-      const float* vr = vb + t * vt;
-      for (int d = 0; d < DV; d += 8) {
-        store8(acc + d, load8(acc + d) + p[t] * load8(vr + d));
-      }
-      for (int d = DV; d < D; d++) {
-        acc[d] += p[t] * vr[d];
-      }
-    }
+    f.template operator()<1>();
   }
 }
 
@@ -130,7 +210,6 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
   const int pieces = (T + KEYS - 1) / KEYS;
   const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
   std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
-  auto weigh = D == 64 ? weigh_values<8> : D == 128 ? weigh_values<16> : weigh_values<0>;
   // Rows split into blocks only as far as needed to give each thread a few tasks.
   const int spread = KVH * pieces, blocks = std::min(L, std::max(1, (8 + spread - 1) / spread));
   const int per_block = (L + blocks - 1) / blocks;
@@ -147,30 +226,34 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
       float* out = part.data() + (((size_t)g * L + i) * pieces + c) * rep * stride;
       const int padded = (n + 7) / 8 * 8;
       scores.assign((size_t)rep * padded, -INFINITY);  // the padding: e^-inf = 0
+      thread_local std::vector<const float*> qs;  // each query head's row, and where its
+      thread_local std::vector<float*> ss, accs;   // scores and weighed values go
+      qs.resize(rep), ss.resize(rep), accs.resize(rep);
       for (int j = 0; j < rep; j++) {
-        const float* qi = qp + ((size_t)(g * rep + j) * Lq + q0 + i) * D;
-        float* sj = scores.data() + (size_t)j * padded;
+        qs[j] = qp + ((size_t)(g * rep + j) * Lq + q0 + i) * D;
+        ss[j] = scores.data() + (size_t)j * padded;
+        accs[j] = out + j * stride + 2;
+      }
+      for (int s0 = 0; s0 < n; s0 += SUB) {  // every head's scores, a sub-block of keys at a time
+        const int s1 = std::min(n, s0 + SUB);
+        for (int j = 0; j < rep; j += HEADS) {
+          by_heads(rep - j, [&]<int G>() {
+            score_keys<G>(qs.data() + j, kb, kt, s0, s1, D, ss.data() + j);
+          });
+        }
+      }
+      for (int j = 0; j < rep; j++) {
+        float* sj = ss[j];
         float top = -INFINITY;
-        int t = 0;
-        for (; t + 4 <= n; t += 4) {  // four keys at once: independent sums fill the FMA units
-          dot4(qi, kb + t * kt, kt, D, sj + t);
-        }
-        for (; t < n; t++) {
-          sj[t] = dot(qi, kb + t * kt, D);
-        }
-        for (t = 0; t < n; t++) {
+        for (int t = 0; t < n; t++) {
           sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
           top = std::max(top, sj[t]);
         }
         out[j * stride] = top;
-      }
-      for (int j = 0; j < rep; j++) {
-        float* sj = scores.data() + (size_t)j * padded;
-        const float top = out[j * stride];
-        float* acc = out + j * stride + 2;
-        std::fill(acc, acc + D, 0.0f);
+        std::fill(accs[j], accs[j] + D, 0.0f);
         if (top == -INFINITY) {  // no key to see in this piece
           out[j * stride + 1] = 0.0f;
+          std::fill(sj, sj + padded, 0.0f);
           continue;
         }
         f8 total{};
@@ -180,7 +263,14 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
           total += p;
         }
         out[j * stride + 1] = hsum8(total);
-        weigh(sj, vb, vt, n, D, acc);
+      }
+      for (int s0 = 0; s0 < n; s0 += SUB) {  // the values, weighed in key order
+        const int s1 = std::min(n, s0 + SUB);
+        for (int j = 0; j < rep; j += HEADS) {
+          by_heads(rep - j, [&]<int G>() {
+            weigh_keys<G, VECS>(ss.data() + j, vb, vt, s0, s1, D, accs.data() + j);
+          });
+        }
       }
     }
   };
