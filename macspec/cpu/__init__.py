@@ -9,34 +9,14 @@ and otherwise leaves mlx's own ops (Metal and CUDA have real kernels for all of 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
 from . import alike, blocks, kernels, native, products, rows, sample
-
-
-@contextmanager
-def tree_positions(modules: list, positions: mx.array, end: int) -> Iterator[None]:
-    """A token tree's pass (core/tree.py, through hooks.tree_positions): the table RoPE rotates
-    consecutive rows, so the switched attentions among `modules` run their native path with each
-    row at its own position instead (up to `end`), and their mlx path with the module's `rope`."""
-    switched = [m for m in modules if hasattr(m, "_macspec_rope")]
-    tables = [m._macspec_rope for m in switched]
-    for m, table in zip(switched, tables, strict=True):
-        m._macspec_rope = None
-        m._macspec_tree = (table, positions, end)
-    try:
-        yield
-    finally:
-        for m, table in zip(switched, tables, strict=True):
-            m._macspec_rope = table
-            del m._macspec_tree
+from .state import STATE
 
 
 def accelerate_draft(module: nn.Module, layers: list) -> int:
@@ -55,8 +35,8 @@ def setup() -> dict:
         "native_products": products.active(),
         # Kernels changed, or how quantized weights run: costs measured before do not hold.
         "native_build": native.build,
-        "int8_activations": products.int8_activations,
-        "repack": products.repack_weights,
+        "int8_activations": STATE.int8_activations,
+        "repack": STATE.repack_weights,
         # Which pass takes which kernel is decided here (a 17-row pass left the native ones
         # before 2026-12-02): changed, measured again.
         "routing": _routing(),
@@ -78,12 +58,16 @@ HOOKS = hooks.Hooks(
     matmul_t=products.matmul_t,
     take_rows=products.take_rows,
     serial=kernels.serial,
-    tree_positions=tree_positions,
+    # A token tree's pass: the table RoPE rotates consecutive rows, so the switched attentions
+    # run their native path with each row at its own position, their mlx path with the module's
+    # `rope` (core/tree.py replaces it).
+    tree_positions=STATE.tree_positions,
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,
     alike_rows=alike.alike_rows,
     rows_layer=rows.rows_layer,
+    stock_class=STATE.stock_class,
 )
 
 

@@ -110,6 +110,7 @@ def native_products() -> str:
     """Whether the weight products of a few rows run macspec's native kernels (built on first
     use), and on how many threads."""
     from ..cpu import native, products
+    from ..cpu.state import STATE
 
     ext = native.load()
     if ext is None:
@@ -117,7 +118,7 @@ def native_products() -> str:
     if not products.enabled():
         off = f"{switches.NATIVE_PRODUCTS} is off"
         return f"off: {off}; mlx's own products (BLAS, scalar quantized)"
-    repacked = products.int8_activations and products.repack_weights and ext.q4_packs()
+    repacked = STATE.int8_activations and STATE.repack_weights and ext.q4_packs()
     return f"in use ({ext.threads()} threads; float32 and 4/8-bit, any number of rows" + (
         "; 4-bit weights in groups of 64 repacked at load)" if repacked else ")"
     )

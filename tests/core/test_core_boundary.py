@@ -71,6 +71,34 @@ def test_the_import_check_sees_a_forbidden_import(tmp_path):
     assert not _allowed("macspec.models.store") and not _allowed("macspec.api.pair")
 
 
+def _foreign_marks(source: str) -> list[str]:
+    """Every `_macspec_*` name `source` reads or sets as an attribute or names in a string (a
+    getattr/setattr/hasattr argument): the CPU package's marks on mlx-lm's objects, which the
+    core asks of the CPU package through core/hooks.py instead."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_macspec_"):
+            found.append(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [w for w in node.value.split() if w.startswith("_macspec_")]
+    return found
+
+
+def test_the_core_reads_no_mark_of_the_cpu_package():
+    found = {
+        str(path.relative_to(CORE)): _foreign_marks(path.read_text())
+        for path in sorted(CORE.rglob("*.py"))
+    }
+    assert {f: marks for f, marks in found.items() if marks} == {}
+
+
+def test_the_mark_check_sees_a_mark():
+    # The check above must be able to fail: both a string and an attribute are caught.
+    assert _foreign_marks('getattr(type(a), "_macspec_stock", None)') == ["_macspec_stock"]
+    assert _foreign_marks("m._macspec_tree = None") == ["_macspec_tree"]
+    assert _foreign_marks("x = m.rope  # _macspec_rope in a comment") == []
+
+
 def test_the_core_does_no_io():
     for path in sorted(CORE.rglob("*.py")):
         tree = ast.parse(path.read_text())

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import kernels
+from macspec.cpu.state import STATE
 
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 
@@ -30,7 +31,7 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 )
 @pytest.mark.parametrize("native", [True, False])  # the native primitives where built, or mlx ops
 def test_accelerated_layers_give_mlx_lm_logits(module, over, native, monkeypatch):
-    monkeypatch.setattr(kernels, "_native_layers", native)
+    monkeypatch.setattr(STATE, "native_layers", native)
     model = llama_like(module, **over)
     stock = chunk_logits(model, CHUNKS)
     assert kernels.accelerate(model) == 2
@@ -54,7 +55,7 @@ def test_same_weights_same_names_and_stock_restores():
         assert type(attn) is llama.Attention and type(model.model.layers[1].mlp) is llama.MLP
     assert type(attn) is not llama.Attention
     # One RoPE table serves every layer.
-    assert attn._macspec_rope is model.model.layers[1].self_attn._macspec_rope
+    assert STATE.rope(attn) is STATE.rope(model.model.layers[1].self_attn)
 
 
 def test_a_mask_array_takes_mlx_lms_path():
@@ -103,7 +104,7 @@ def test_softmax_matches_float64():
 def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
     # Attention's scores grow by one key a token: one traced graph per length would grow the
     # process through a long generation, so the compiled exp is rebuilt after `limit` shapes.
-    monkeypatch.setattr(kernels, "_native_layers", False)  # the mlx-op path's compiled exp
+    monkeypatch.setattr(STATE, "native_layers", False)  # the mlx-op path's compiled exp
     builds = []
     real = kernels._compiled
     monkeypatch.setattr(kernels, "_compiled", lambda fn: builds.append(fn) or real(fn))
@@ -125,7 +126,7 @@ def test_every_compiled_kernel_is_bounded(monkeypatch):
     # Prefill lengths differ per prompt, so RoPE and SwiGLU see new shapes too: a chat of many
     # turns must not keep one traced graph per prompt length in any of them (the mlx-op path,
     # which runs where the native primitives are not built).
-    monkeypatch.setattr(kernels, "_native_layers", False)
+    monkeypatch.setattr(STATE, "native_layers", False)
     model = llama_like(llama)
     kernels.accelerate(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -133,7 +134,7 @@ def test_every_compiled_kernel_is_bounded(monkeypatch):
     for length in (3, 5, 7):
         mlp(x[:, :length])
         attn(x[:, :length], mask="causal")
-    for bounded in (kernels._softmax_exp, kernels._swiglu_fast, attn._macspec_rope._pair):
+    for bounded in (kernels._softmax_exp, kernels._swiglu_fast, STATE.rope(attn)._pair):
         assert isinstance(bounded, kernels._BoundedCompile)
         assert bounded.limit == 128 and len(bounded.shapes) >= 3
 
@@ -149,8 +150,8 @@ def test_swiglu_and_exp_limits():
 
 def test_load_accelerates_the_target(pair):
     layer = pair.target.model.layers[0]
-    assert "_macspec_stock" in type(layer.self_attn).__dict__
-    assert "_macspec_stock" in type(layer.mlp).__dict__
+    assert STATE.is_switched(layer.self_attn)
+    assert STATE.is_switched(layer.mlp)
 
 
 def test_nothing_changes_off_the_cpu_backend(monkeypatch):
