@@ -76,5 +76,12 @@ def install() -> None:
     hooks.install(HOOKS)
 
 
+def install_default() -> None:
+    """install(), where the core still has its plain defaults: what loading a model does
+    (api/loading.py), leaving hooks that someone installed (a test's, a replacement) alone."""
+    if hooks.installed() == hooks.Hooks():
+        install()
+
+
 def installed() -> bool:
     return hooks.installed() is HOOKS

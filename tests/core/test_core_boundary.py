@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.tinymodels import make_tiny_model
 
 import macspec
 
@@ -113,8 +114,8 @@ def test_the_core_does_no_io():
 
 @pytest.mark.subprocess
 def test_the_core_imported_alone_loads_no_cpu_package():
-    # Stands in for `macspec/__init__.py` (which installs the CPU package) with a bare package,
-    # so that only what the core itself imports is loaded.
+    # Stands in for `macspec/__init__.py` with a bare package, so that only what the core itself
+    # imports is loaded.
     code = f"""
 import importlib, json, pkgutil, sys, types
 pkg = types.ModuleType("macspec")
@@ -131,6 +132,18 @@ print(json.dumps(sorted(n for n in sys.modules if n.startswith("macspec"))))
     assert "macspec.core.loop" in loaded and "macspec.core.drafters.eagle" in loaded
     # macspec.base itself: the package of errors and switches (a docstring, nothing else)
     assert [n for n in loaded if n not in ("macspec", "macspec.base") and not _allowed(n)] == []
-    from macspec.core import hooks
 
-    assert hooks.installed().name == "cpu"  # while `import macspec` installs it
+
+@pytest.mark.subprocess
+def test_importing_macspec_installs_no_hooks_and_loading_a_model_does(tmp_path):
+    path = make_tiny_model(tmp_path / "model", seed=0)
+    code = f"""
+import macspec
+from macspec.core import hooks
+print(hooks.installed().name)
+macspec.load({str(path)!r}, measure=False)
+print(hooks.installed().name)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mlx", "cpu"]
