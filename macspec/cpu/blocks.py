@@ -3,7 +3,7 @@
 With the native layer ops (kernels.py) a one-token SmolLM2 layer is still 17 MLX operations:
 norm, three products, RoPE, the cache's update, attention, a product, an add, norm, two
 products, SwiGLU, a product, an add. Each one costs the Python thread an allocation and a
-hand-off to MLX's stream, and on a 2-core CPU that thread takes its core from the products'
+hand-off to MLX's stream, and on a CPU of few cores that thread takes its core from the products'
 threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` and `cpu_attn_mlp.cpp` run the same
 kernels in the same order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last
 add), with the cache's update between them left to mlx-lm: the outputs are bit-identical to the

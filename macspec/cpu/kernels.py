@@ -96,12 +96,11 @@ def _compiled(fn):
 class _BoundedCompile:
     """`fn` compiled, recompiled from scratch after `limit` distinct input shapes.
 
-    mx.compile keeps one traced graph per input shape (~35 KB each here). Attention's scores
-    change shape with every token of context (a long generation grows the process by hundreds
-    of MB), and every new prompt length adds a shape to RoPE and SwiGLU. Dropping the compiled
-    function frees its entries. `shapeless=True` would avoid
-    this, but the exp's bit view cannot be traced shapeless, and the view-free forms of 2^n are
-    two to three times slower."""
+    mx.compile keeps one traced graph per input shape. Attention's scores change shape with
+    every token of context (a long generation grows the process steadily), and every new prompt
+    length adds a shape to RoPE and SwiGLU. Dropping the compiled function frees its entries.
+    `shapeless=True` would avoid this, but the exp's bit view cannot be traced shapeless, and
+    the view-free forms of 2^n are slower (docs/cpu.md, "figures behind the code")."""
 
     def __init__(self, fn: Any, limit: int = 128) -> None:
         self.fn, self.limit = fn, limit
@@ -124,8 +123,8 @@ _swiglu_fast = _BoundedCompile(_swiglu)
 
 def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     """softmax(x / temperature) over the last axis (float32); on the CPU backend with the fast
-    exp, and with the native primitive on every core where it is built (a whole vocabulary a row:
-    a millisecond on one core for 152k ids)."""
+    exp, and with the native primitive on every core where it is built (a whole vocabulary a row
+    is dear on one core: docs/cpu.md)."""
     if not on_cpu():
         return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
     x = x.astype(mx.float32)
@@ -424,9 +423,9 @@ def accelerate(model: nn.Module) -> int:
 
 
 # Every third decoder layer starts evaluating the graph built so far, so that the stream computes
-# while Python builds the rest of the pass (milliseconds of graph building a pass). Only with
-# the native products: OpenBLAS's threads wait for each other spinning, and a Python thread
-# building beside them on a 2-core CPU made its products several times slower.
+# while Python builds the rest of the pass. Only with the native products: OpenBLAS's threads
+# wait for each other spinning, and a Python thread building beside them on a CPU of few cores
+# slowed its products (docs/cpu.md, "figures behind the code").
 OVERLAP_EVERY = 3
 
 

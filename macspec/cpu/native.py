@@ -5,9 +5,9 @@ The extension is an MLX primitive: it joins MLX's graph like any op and runs on 
 It is compiled for this CPU (-march=native) with the system C++ compiler (which MLX's own CPU
 `mx.compile` needs as well), against the installed mlx headers and the nanobind version whose
 ABI the mlx wheel was built with, and cached under the macspec cache directory, one file per
-(source, mlx, nanobind, Python, CPU) combination. Building takes 15-60 s once; nothing is
-downloaded. MACSPEC_NATIVE=0 turns it off; any failure is remembered as the reason, logged at
-INFO (`macspec -v`) and reported by `macspec doctor`.
+(source, mlx, nanobind, Python, CPU) combination. Building takes a while, once (docs/cpu.md,
+"figures behind the code"); nothing is downloaded. MACSPEC_NATIVE=0 turns it off; any failure
+is remembered as the reason, logged at INFO (`macspec -v`) and reported by `macspec doctor`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run through the layer's own modules, each row of a shared pass costs a dozen MLX ops a layer (its
 slices of the block's q/k/v, RoPE, the cache's update, attention, a second call for its padding)
-besides the layer's own ten, and on a 2-core CPU each op's hand-off to MLX's stream is a large
+besides the layer's own ten, and on a CPU of few cores each op's hand-off to MLX's stream is a large
 part of a narrow pass. Here a llama/qwen2 layer (blocks.py's case) runs as (norm, q/k/v, RoPE)
 over the whole block, each id at its row's own position as a token tree's pass places its ids,
 then each row's cache update, then (each row's attention over its own cache, the output product,
