@@ -1,8 +1,9 @@
 """Optional CPU acceleration: layer kernels (kernels.py), fused decoder layers (blocks.py), few-row
 weight products (products.py) and the native extension they run on (native.py, csrc/).
 
-`install()` puts it into the core through core/hooks.py; the core never imports it. This is
-the only code that switches mlx-lm's classes. Every function checks that MLX runs on the CPU
+`install()` puts it into the core through core/hooks.py (loading a model does, through
+`install_default()`); the core never imports it. This is the only code that switches mlx-lm's
+classes; what it keeps as it runs is in state.py. Every function checks that MLX runs on the CPU
 and otherwise leaves mlx's own ops (Metal and CUDA have real kernels for all of this).
 """
 

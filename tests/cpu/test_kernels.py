@@ -55,7 +55,28 @@ def test_same_weights_same_names_and_stock_restores():
         assert type(attn) is llama.Attention and type(model.model.layers[1].mlp) is llama.MLP
     assert type(attn) is not llama.Attention
     # One RoPE table serves every layer.
+    assert isinstance(STATE.rope(attn), kernels.TableRoPE)
     assert STATE.rope(attn) is STATE.rope(model.model.layers[1].self_attn)
+
+
+def test_nothing_is_marked_on_mlx_lms_modules_and_what_is_kept_goes_with_them():
+    # What the accelerator keeps of a module (cpu/state.py) is its own, not attributes on the
+    # module, and it is dropped when the module is collected.
+    import gc
+    import weakref
+
+    model = llama_like(llama)
+    kernels.accelerate(model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    marks = [k for _, m in model.named_modules() for k in vars(m) if k.startswith("_macspec")]
+    assert marks == []
+    attn = model.model.layers[0].self_attn
+    assert STATE.kept(attn) is not None
+    key, ref = id(attn), weakref.ref(attn)
+    del attn, model, cache
+    gc.collect()
+    assert ref() is None and key not in STATE._kept
 
 
 def test_a_mask_array_takes_mlx_lms_path():
