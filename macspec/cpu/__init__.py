@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.nn as nn
 
 from ..core import hooks
-from . import alike, blocks, kernels, native, products, rows, sample
+from . import alike, blocks, kernels, products, rows, sample
 from .state import STATE
 
 
@@ -35,7 +35,7 @@ def setup() -> dict:
         "native_blocks": blocks.enabled(),
         "native_products": products.active(),
         # Kernels changed, or how quantized weights run: costs measured before do not hold.
-        "native_build": native.build,
+        "native_build": STATE.ext_build,
         "int8_activations": STATE.int8_activations,
         "repack": STATE.repack_weights,
         # Which pass takes which kernel is decided here (a 17-row pass left the native ones

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -54,6 +55,11 @@ class State:
         self.overlap = True  # layers start evaluations (kernels.serial turns it off)
         self.compiler_works: bool | None = None  # mx.compile works here; None: not tried yet
         self.told: set[str] = set()  # what was logged once
+        # The native extension (native.py): loaded, or why not, tried once.
+        self.ext: ModuleType | None = None
+        self.ext_tried = False
+        self.ext_reason: str | None = None  # why it is not in use, when it is not
+        self.ext_build: str | None = None  # the loaded build's key (kept costs)
         self.switched: dict[type, type] = {}  # mlx's class -> the accelerator's subclass
         self.stock: dict[type, type] = {}  # the accelerator's subclass -> mlx's class
         self.masks: dict[tuple[int, int], mx.array] = {}  # kernels._causal's, by shape

@@ -315,7 +315,6 @@ def test_costs_kept_under_other_cpu_kernels_are_measured_again(
 ):
     from macspec.api import kept_costs as cal
     from macspec.core import hooks
-    from macspec.cpu import native
 
     if hooks.installed().name != "cpu":
         pytest.skip("the CPU package is not installed")
@@ -325,7 +324,7 @@ def test_costs_kept_under_other_cpu_kernels_are_measured_again(
     calibrate(roomy_pair)
     calibrate(roomy_pair)
     assert prefilled.count(512) == 1
-    monkeypatch.setattr(native, "build", "another build of the kernels")
+    monkeypatch.setattr(STATE, "ext_build", "another build of the kernels")
     calibrate(roomy_pair)
     assert prefilled.count(512) == 2
     monkeypatch.setattr(STATE, "repack_weights", not STATE.repack_weights)

@@ -58,7 +58,7 @@ def _unalike_widths(model) -> list[int]:
     return out
 
 
-@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {native.reason}")
+@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {STATE.ext_reason}")
 @pytest.mark.parametrize(("bits", "group", "int8"), KINDS)
 @pytest.mark.parametrize("module", [llama, qwen2])  # qwen2: biased q/k/v products
 def test_every_row_of_a_pass_of_any_width_is_a_plain_step(
@@ -75,7 +75,7 @@ def test_every_row_of_a_pass_of_any_width_is_a_plain_step(
         assert products.repacked(model.layers[0].mlp.up_proj)
 
 
-@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {native.reason}")
+@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {STATE.ext_reason}")
 def test_a_prompt_read_in_one_pass_leaves_the_states_of_one_id_at_a_time():
     """Prefill is no other path: a 47-id prompt read whole, then a step, gives the logits and
     the KV cache that 47 one-id passes and the step give (so a prompt-cache restore, whose

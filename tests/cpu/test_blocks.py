@@ -16,7 +16,9 @@ from macspec.cpu import blocks, kernels, native
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 CHUNKS = [[3, 9, 27, 17], [5], [40, 2, 33], [60, 1] * 12, [7], [8, 9]]  # [60, 1] * 12: 24 rows
 

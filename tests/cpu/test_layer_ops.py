@@ -15,7 +15,9 @@ from macspec.cpu import kernels, native
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 
 def _normal(shape, seed, scale=1.0):

@@ -18,7 +18,9 @@ from macspec.cpu import kernels, native, products
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native products unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native products unavailable: {STATE.ext_reason}"
+)
 
 
 def _normal(shape, seed):
@@ -223,12 +225,12 @@ def test_unquantized_half_model_is_left_alone():
 
 
 def test_off_switch(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "reason", None)
+    monkeypatch.setattr(STATE, "ext_tried", False)
+    monkeypatch.setattr(STATE, "ext", None)
+    monkeypatch.setattr(STATE, "ext_reason", None)
     monkeypatch.setenv("MACSPEC_NATIVE", "0")
     assert native.load() is None
-    assert native.reason == "switched off (MACSPEC_NATIVE is off)"
+    assert STATE.ext_reason == "switched off (MACSPEC_NATIVE is off)"
 
 
 @pytest.mark.subprocess

@@ -31,7 +31,7 @@ from macspec.cpu.state import STATE
 ext = native.load()
 pytestmark = pytest.mark.skipif(
     ext is None or ext.int8_isa() is None,
-    reason=f"int8 products unavailable: {native.reason or 'no integer dot products here'}",
+    reason=f"int8 products unavailable: {STATE.ext_reason or 'no integer dot products here'}",
 )
 
 
