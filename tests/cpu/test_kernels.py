@@ -199,3 +199,21 @@ def test_every_third_layer_starts_evaluating_the_pass(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
     with kernels.stock(model):
         assert type(model.model.layers[2]) is llama.TransformerBlock
+
+
+def test_loading_installs_the_cpu_hooks_only_over_the_plain_defaults():
+    from dataclasses import replace
+
+    from macspec import cpu
+    from macspec.core import hooks
+
+    old = hooks.install(hooks.Hooks())
+    try:
+        cpu.install_default()  # what api/loading.py does at each load
+        assert cpu.installed()
+        mine = replace(hooks.installed(), name="mine")
+        hooks.install(mine)
+        cpu.install_default()
+        assert hooks.installed() is mine
+    finally:
+        hooks.install(old)
