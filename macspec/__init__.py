@@ -28,10 +28,9 @@ from .base.errors import (  # noqa: E402
 )
 from .base.platform_info import BlasWarning  # noqa: E402
 from .core.sampling import SamplingOptions  # noqa: E402
-from .cpu import install as _install_cpu  # noqa: E402
 
-# The CPU package's kernels in the core (core/hooks.py): plain mlx where it does not apply.
-_install_cpu()
+# The CPU package's kernels join the core (core/hooks.py) when a model is first loaded
+# (api/loading.py), not on import.
 
 __version__ = "0.1.0"
 

@@ -6,7 +6,8 @@ import time
 
 import mlx.core as mx
 
-import macspec  # noqa: F401  (installs the CPU hooks)
+import macspec  # noqa: F401  (first: it loads OpenBLAS before mlx)
+from macspec import cpu
 from macspec.core import sampling, verify
 from macspec.core.sampling import SamplingOptions
 from macspec.cpu import kernels
@@ -37,6 +38,7 @@ def costs(x: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[fl
 
 def main() -> None:
     vocab = int(sys.argv[1]) if len(sys.argv) > 1 else 151936
+    cpu.install()  # the CPU hooks in the core, as loading a model installs them
     key = mx.random.key(1)
     for rows in (1, 5):
         x = mx.random.normal((rows, vocab)) * 3

@@ -4,6 +4,12 @@ import os
 import pytest
 from support.tinymodels import make_tiny_model
 
+from macspec import cpu
+
+# The CPU package's hooks in the core for every test, as macspec.load() installs them: many
+# tests build models through mlx-lm and run the core's functions on them without a load.
+cpu.install()
+
 # Every load measures its own costs: long-context costs kept on disk (core/measure.py) would
 # stand in for the ones a test sets, and fill the user's cache with tiny models' entries.
 os.environ["MACSPEC_KEEP_COSTS"] = "0"

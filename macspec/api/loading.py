@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .. import cpu
 from ..base.errors import MacspecError, ModelError
 from ..core import caches, hooks
 
@@ -22,6 +23,9 @@ def load_model(
     """(model, tokenizer, config) of a model directory; a ModelError naming it otherwise."""
     from mlx_lm.utils import load as mlx_load
 
+    # The CPU package's kernels in the core (plain mlx where they do not apply), also where this
+    # model's layers are not switched (use_kernels off): sampling runs them all the same.
+    cpu.install_default()
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a model directory: config.json is missing")
     if not list(path.glob("model*.safetensors")):

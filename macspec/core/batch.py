@@ -70,7 +70,7 @@ _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 def _projects_row_wise(attn: nn.Module) -> bool:
     from mlx_lm.models import llama, qwen2
 
-    return getattr(type(attn), "_macspec_stock", type(attn)) in (llama.Attention, qwen2.Attention)
+    return hooks.stock_class(attn) in (llama.Attention, qwen2.Attention)
 
 
 class _RowsAttention(nn.Module):

@@ -64,6 +64,10 @@ def _rows_by_module(layer: nn.Module, x: mx.array, caches: list) -> None:
     return None
 
 
+def _own_class(module: nn.Module) -> type:
+    return type(module)
+
+
 @dataclass(frozen=True)
 class Hooks:
     """The replaceable parts, each with its plain-mlx default.
@@ -105,6 +109,7 @@ class Hooks:
     setup: Callable[[], dict] = field(default=dict)
     alike_rows: Callable[[nn.Module], int | None] = _mlx_rows
     rows_layer: Callable[[nn.Module, mx.array, list], mx.array | None] = _rows_by_module
+    stock_class: Callable[[nn.Module], type] = _own_class
 
 
 _installed = Hooks()
@@ -167,3 +172,7 @@ def alike_rows(model: nn.Module) -> int | None:
 
 def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> mx.array | None:
     return _installed.rows_layer(layer, x, caches)
+
+
+def stock_class(module: nn.Module) -> type:
+    return _installed.stock_class(module)

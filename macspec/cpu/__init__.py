@@ -1,42 +1,23 @@
 """Optional CPU acceleration: layer kernels (kernels.py), fused decoder layers (blocks.py), few-row
 weight products (products.py) and the native extension they run on (native.py, csrc/).
 
-`install()` puts it into the core through core/hooks.py; the core never imports it. This is
-the only code that switches mlx-lm's classes. Every function checks that MLX runs on the CPU
+`install()` puts it into the core through core/hooks.py (loading a model does, through
+`install_default()`); the core never imports it. This is the only code that switches mlx-lm's
+classes; what it keeps as it runs is in state.py. Every function checks that MLX runs on the CPU
 and otherwise leaves mlx's own ops (Metal and CUDA have real kernels for all of this).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..core import hooks
-from . import alike, blocks, kernels, native, products, rows, sample
-
-
-@contextmanager
-def tree_positions(modules: list, positions: mx.array, end: int) -> Iterator[None]:
-    """A token tree's pass (core/tree.py, through hooks.tree_positions): the table RoPE rotates
-    consecutive rows, so the switched attentions among `modules` run their native path with each
-    row at its own position instead (up to `end`), and their mlx path with the module's `rope`."""
-    switched = [m for m in modules if hasattr(m, "_macspec_rope")]
-    tables = [m._macspec_rope for m in switched]
-    for m, table in zip(switched, tables, strict=True):
-        m._macspec_rope = None
-        m._macspec_tree = (table, positions, end)
-    try:
-        yield
-    finally:
-        for m, table in zip(switched, tables, strict=True):
-            m._macspec_rope = table
-            del m._macspec_tree
+from . import alike, blocks, kernels, products, rows, sample
+from .state import STATE
 
 
 def accelerate_draft(module: nn.Module, layers: list) -> int:
@@ -54,9 +35,9 @@ def setup() -> dict:
         "native_blocks": blocks.enabled(),
         "native_products": products.active(),
         # Kernels changed, or how quantized weights run: costs measured before do not hold.
-        "native_build": native.build,
-        "int8_activations": products.int8_activations,
-        "repack": products.repack_weights,
+        "native_build": STATE.ext_build,
+        "int8_activations": STATE.int8_activations,
+        "repack": STATE.repack_weights,
         # Which pass takes which kernel is decided here (a 17-row pass left the native ones
         # before 2026-12-02): changed, measured again.
         "routing": _routing(),
@@ -78,18 +59,29 @@ HOOKS = hooks.Hooks(
     matmul_t=products.matmul_t,
     take_rows=products.take_rows,
     serial=kernels.serial,
-    tree_positions=tree_positions,
+    # A token tree's pass: the table RoPE rotates consecutive rows, so the switched attentions
+    # run their native path with each row at its own position, their mlx path with the module's
+    # `rope` (core/tree.py replaces it).
+    tree_positions=STATE.tree_positions,
     accelerate_model=kernels.accelerate,
     accelerate_layers=accelerate_draft,
     setup=setup,
     alike_rows=alike.alike_rows,
     rows_layer=rows.rows_layer,
+    stock_class=STATE.stock_class,
 )
 
 
 def install() -> None:
     """Make this package the core's accelerator (core/hooks.py)."""
     hooks.install(HOOKS)
+
+
+def install_default() -> None:
+    """install(), where the core still has its plain defaults: what loading a model does
+    (api/loading.py), leaving hooks that someone installed (a test's, a replacement) alone."""
+    if hooks.installed() == hooks.Hooks():
+        install()
 
 
 def installed() -> bool:

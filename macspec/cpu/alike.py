@@ -10,6 +10,7 @@ import mlx.nn as nn
 
 from ..base import switches
 from . import kernels, products
+from .state import STATE
 
 log = logging.getLogger("macspec.cpu")
 
@@ -26,8 +27,8 @@ def alike_rows(model: nn.Module) -> int | None:
     if not switches.SPECULATE_UNALIKE.value():
         return 1
     kind = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
-    if kind not in _WARNED:
-        _WARNED.add(kind)
+    if kind not in STATE.told:
+        STATE.told.add(kind)
         log.warning(
             "%s: verification rows agree with a plain step to float rounding, not bit for bit, "
             "on this CPU (its layers run mlx's own ops): greedy output may differ from plain "
@@ -36,9 +37,6 @@ def alike_rows(model: nn.Module) -> int | None:
             switches.SPECULATE_UNALIKE,
         )
     return None
-
-
-_WARNED: set[str] = set()
 
 
 def rows_alike(model: nn.Module) -> bool:
@@ -50,7 +48,7 @@ def rows_alike(model: nn.Module) -> bool:
         and kernels.native_layers() is not None
         and bool(layers)
         and all(
-            kernels.fusable(layer) and isinstance(layer.self_attn._macspec_rope, kernels.TableRoPE)
+            kernels.fusable(layer) and isinstance(STATE.rope(layer.self_attn), kernels.TableRoPE)
             for layer in layers
         )
     )

@@ -3,7 +3,7 @@
 With the native layer ops (kernels.py) a one-token SmolLM2 layer is still 17 MLX operations:
 norm, three products, RoPE, the cache's update, attention, a product, an add, norm, two
 products, SwiGLU, a product, an add. Each one costs the Python thread an allocation and a
-hand-off to MLX's stream, and on a 2-core CPU that thread takes its core from the products'
+hand-off to MLX's stream, and on a CPU of few cores that thread takes its core from the products'
 threads (README, "speed on Linux CPUs"). `csrc/cpu_block.cpp` and `cpu_attn_mlp.cpp` run the same
 kernels in the same order as two primitives, (norm, q/k/v, RoPE) and (attention, ..., the last
 add), with the cache's update between them left to mlx-lm: the outputs are bit-identical to the
@@ -25,28 +25,24 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..base import switches
 from . import products
+from .state import STATE
 
 log = logging.getLogger("macspec.cpu")
 
-_enabled = switches.NATIVE_BLOCKS.value()
-_told: set[str] = set()  # the reasons for running op by op, logged once each
-
 
 def enabled() -> bool:
-    return _enabled
+    return STATE.native_blocks
 
 
 def set_enabled(on: bool) -> None:
     """Fuse the layers or run them op by op (tests, A/B timing)."""
-    global _enabled
-    _enabled = on
+    STATE.native_blocks = on
 
 
 def _is(module: Any, cls: type) -> bool:
     """`module` is a `cls` as mlx defines it, or the same switched to macspec's kernels."""
-    return getattr(type(module), "_macspec_stock", type(module)) is cls
+    return STATE.stock_class(module) is cls
 
 
 def _layout(linears: tuple) -> tuple[int, int] | str:
@@ -59,7 +55,7 @@ def _layout(linears: tuple) -> tuple[int, int] | str:
         return "its products are neither all float32 nor all affine 4/8-bit quantized"
     if len({m.group_size for m in linears}) > 1:
         return "its products are quantized in different group sizes"
-    if not products.int8_activations and any(products.repacked(m) for m in linears):
+    if not STATE.int8_activations and any(products.repacked(m) for m in linears):
         return "its weights are repacked for int8 activations, which are switched off"
     return linears[0].bits, linears[0].group_size
 
@@ -95,16 +91,16 @@ def layer_weights(layer: nn.Module) -> tuple | None:
         mlp["down_proj"],
     )
     arrays = [m.get(name) for m in modules for name in ("weight", "bias", "scales", "biases")]
-    checked = getattr(layer, "_macspec_checked", None)
+    kept = STATE.keep(layer)
+    checked = kept.checked
     if checked is None or not all(map(operator.is_, checked.arrays, arrays)):
         weights = _check(*modules)
         if isinstance(weights, str):
-            if weights not in _told:
-                _told.add(weights)
+            if weights not in STATE.told:
+                STATE.told.add(weights)
                 log.info("a decoder layer runs op by op, not fused: %s", weights)
             weights = None
-        checked = _Checked(arrays, weights)
-        object.__setattr__(layer, "_macspec_checked", checked)
+        checked = kept.checked = _Checked(arrays, weights)
     return checked.weights
 
 
@@ -149,7 +145,7 @@ def block_pass(
     """The layer's output for `x` through the two fused primitives, or None (run it op by op).
     `ext, table, offset, tree`: where the native attention may run (kernels.native_case, which
     checked the rows, mask and cache); this adds the weights' own conditions."""
-    if not _enabled or not products.active():
+    if not STATE.native_blocks or not products.active():
         return None
     weights = layer_weights(layer)
     if weights is None:
@@ -162,7 +158,7 @@ def block_pass(
     tree_mask = mask if tree is not None else None
     return ext.attn_mlp(
         x, q, k, v, weights[5], w2, layer["post_attention_layernorm"].eps, wg, wu, wd,
-        layer["self_attn"].scale, causal, tree_mask, bits, group, products.int8_activations,
+        layer["self_attn"].scale, causal, tree_mask, bits, group, STATE.int8_activations,
     )  # fmt: skip
 
 
@@ -178,5 +174,5 @@ def qkv_rope(
     return ext.qkv_rope(
         x, w1, layer["input_layernorm"].eps, wq, wk, wv, cos, sin, attn.n_heads,
         attn.n_kv_heads, offset, table.traditional, biases, positions, bits, group,
-        products.int8_activations,
+        STATE.int8_activations,
     )  # fmt: skip

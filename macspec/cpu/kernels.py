@@ -27,23 +27,21 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..base import switches
 from . import blocks, native, products
 from .products import on_cpu
+from .state import STATE
 
 log = logging.getLogger("macspec.cpu")
-_native_layers = switches.NATIVE_LAYERS.value()
 
 
 def native_layers() -> Any:
     """The native layer primitives (csrc/cpu_layer.cpp, cpu_attention.cpp), or None (mlx's ops)."""
-    return native.load() if _native_layers else None
+    return native.load() if STATE.native_layers else None
 
 
 def set_native_layers(on: bool) -> None:
     """Switch the native layer primitives on or off (tests, A/B timing)."""
-    global _native_layers
-    _native_layers = on
+    STATE.native_layers = on
 
 
 _LOG2E = 1.4426950408889634
@@ -80,34 +78,29 @@ def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return (gate * up / (1.0 + _exp(-gate))).astype(gate.dtype)
 
 
-_compiler_works: bool | None = None
-
-
 def _compiled(fn):
     """mx.compile fuses the exp polynomial into one CPU kernel (several times faster than the ops
     one by one: docs/cpu.md, "figures behind the code"); it needs a C++ compiler at run time, so
     without one the same ops run uncompiled."""
-    global _compiler_works
-    if _compiler_works is None:
+    if STATE.compiler_works is None:
         try:
             probe = mx.array([[0.5, -2.0]])
             mx.eval(mx.compile(_swiglu)(probe, probe))
-            _compiler_works = True
+            STATE.compiler_works = True
         except Exception as e:  # no compiler on this machine: the uncompiled graph is still exact
             log.info("mx.compile cannot compile here (%s): the exp runs uncompiled", e)
-            _compiler_works = False
-    return mx.compile(fn) if _compiler_works else fn
+            STATE.compiler_works = False
+    return mx.compile(fn) if STATE.compiler_works else fn
 
 
 class _BoundedCompile:
     """`fn` compiled, recompiled from scratch after `limit` distinct input shapes.
 
-    mx.compile keeps one traced graph per input shape (~35 KB each here). Attention's scores
-    change shape with every token of context (a long generation grows the process by hundreds
-    of MB), and every new prompt length adds a shape to RoPE and SwiGLU. Dropping the compiled
-    function frees its entries. `shapeless=True` would avoid
-    this, but the exp's bit view cannot be traced shapeless, and the view-free forms of 2^n are
-    two to three times slower."""
+    mx.compile keeps one traced graph per input shape. Attention's scores change shape with
+    every token of context (a long generation grows the process steadily), and every new prompt
+    length adds a shape to RoPE and SwiGLU. Dropping the compiled function frees its entries.
+    `shapeless=True` would avoid this, but the exp's bit view cannot be traced shapeless, and
+    the view-free forms of 2^n are slower (docs/cpu.md, "figures behind the code")."""
 
     def __init__(self, fn: Any, limit: int = 128) -> None:
         self.fn, self.limit = fn, limit
@@ -130,8 +123,8 @@ _swiglu_fast = _BoundedCompile(_swiglu)
 
 def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:
     """softmax(x / temperature) over the last axis (float32); on the CPU backend with the fast
-    exp, and with the native primitive on every core where it is built (a whole vocabulary a row:
-    a millisecond on one core for 152k ids)."""
+    exp, and with the native primitive on every core where it is built (a whole vocabulary a row
+    is dear on one core: docs/cpu.md)."""
     if not on_cpu():
         return mx.softmax(x / temperature if temperature != 1.0 else x, axis=-1)
     x = x.astype(mx.float32)
@@ -197,18 +190,16 @@ def _rotate(x: mx.array, cos: mx.array, sin: mx.array, dims: int, traditional: b
     return mx.concatenate(rotated, axis=-1).astype(x.dtype)
 
 
-_masks: dict[tuple[int, int], mx.array] = {}
-
-
 def _causal(length: int, total: int) -> mx.array:
     """Additive mask for `length` new queries at the end of `total` keys (cached per shape)."""
-    mask = _masks.get((length, total))
+    masks = STATE.masks
+    mask = masks.get((length, total))
     if mask is None:
         queries = mx.arange(total - length, total)[:, None]
         mask = mx.where(mx.arange(total)[None] <= queries, 0.0, -mx.inf)
-        if len(_masks) > 256:
-            _masks.clear()
-        _masks[(length, total)] = mask
+        if len(masks) > 256:
+            masks.clear()
+        masks[(length, total)] = mask
     return mask
 
 
@@ -261,8 +252,8 @@ def native_case(attn: nn.Module, x: mx.array, mask: Any, cache: Any) -> tuple | 
     a token tree's boolean one (tree.tree_pass: its table, positions and their end), an
     unquantized cache; else None."""
     ext = native_layers()
-    tree = getattr(attn, "_macspec_tree", None)
-    table = tree[0] if tree is not None else getattr(attn, "_macspec_rope", None)
+    tree = STATE.tree(attn)
+    table = tree[0] if tree is not None else STATE.rope(attn)
     offset = 0 if cache is None else cache.offset
     b, length, _ = x.shape
     if (
@@ -293,8 +284,9 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
     q = self.q_proj(x).reshape(b, length, self.n_heads, -1).transpose(0, 2, 1, 3)
     k = self.k_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
     v = self.v_proj(x).reshape(b, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if isinstance(offset, int) and isinstance(self._macspec_rope, TableRoPE):
-        q, k = self._macspec_rope.pair(q, k, offset)
+    table = STATE.rope(self)
+    if isinstance(offset, int) and isinstance(table, TableRoPE):
+        q, k = table.pair(q, k, offset)
     else:  # a scaled RoPE variant, or per-sequence offsets: mlx-lm's own module
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
     if cache is not None:
@@ -320,7 +312,7 @@ def _fast_norm_call(self, x: mx.array) -> mx.array:
     ext = native_layers()
     if ext is not None and x.dtype == self.weight.dtype == mx.float32:
         return ext.rms_norm(x, self.weight, self.eps)
-    return type(self)._macspec_stock.__call__(self, x)
+    return STATE.stock[type(self)].__call__(self, x)
 
 
 def switch_norms(module: nn.Module) -> int:
@@ -328,18 +320,9 @@ def switch_norms(module: nn.Module) -> int:
     changed = 0
     for _, m in module.named_modules():
         if type(m) is nn.RMSNorm:
-            m.__class__ = _switched(nn.RMSNorm, {"__call__": _fast_norm_call})
+            m.__class__ = STATE.subclass(nn.RMSNorm, {"__call__": _fast_norm_call})
             changed += 1
     return changed
-
-
-_SUBCLASSES: dict[type, type] = {}
-
-
-def _switched(cls: type, methods: dict[str, Any]) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {**methods, "_macspec_stock": cls})
-    return _SUBCLASSES[cls]
 
 
 def switch_products(module: nn.Module) -> int:
@@ -351,7 +334,7 @@ def switch_products(module: nn.Module) -> int:
     for _, m in module.named_modules():
         methods = products.METHODS.get(type(m))
         if methods is not None:
-            m.__class__ = _switched(type(m), methods)
+            m.__class__ = STATE.subclass(type(m), methods)
             changed += 1
     return changed
 
@@ -380,13 +363,13 @@ def accelerate_layers(layers: list) -> int:
                 key = (rope.dims, rope.traditional, rope.base, rope.scale)
                 if key not in tables:
                     tables[key] = TableRoPE(rope)
-                attn._macspec_rope = tables[key]
+                STATE.keep(attn).rope = tables[key]
             else:
-                attn._macspec_rope = None
-            attn.__class__ = _switched(type(attn), {"__call__": _fast_attention_call})
+                STATE.keep(attn).rope = None
+            attn.__class__ = STATE.subclass(type(attn), {"__call__": _fast_attention_call})
             hit = True
         if type(mlp) in mlps:
-            mlp.__class__ = _switched(type(mlp), {"__call__": _fast_mlp_call})
+            mlp.__class__ = STATE.subclass(type(mlp), {"__call__": _fast_mlp_call})
             hit = True
         if isinstance(layer, nn.Module) and switch_products(layer) + switch_norms(layer):
             hit = True
@@ -397,10 +380,10 @@ def accelerate_layers(layers: list) -> int:
 
 
 def _switch_block(layer: nn.Module, fusable: bool) -> None:
-    if "_macspec_stock" not in type(layer).__dict__:
-        layer.__class__ = _switched(type(layer), {"__call__": _overlapped_call})
-    layer._macspec_overlap = False
-    layer._macspec_fusable = fusable
+    if not STATE.is_switched(layer):
+        layer.__class__ = STATE.subclass(type(layer), {"__call__": _overlapped_call})
+    kept = STATE.keep(layer)
+    kept.overlap, kept.fusable = False, fusable
 
 
 def fusable(layer: nn.Module) -> bool:
@@ -409,10 +392,9 @@ def fusable(layer: nn.Module) -> bool:
 
     attentions, mlps = _supported()
     return (
-        getattr(type(layer), "_macspec_stock", type(layer))
-        in (llama.TransformerBlock, qwen2.TransformerBlock)
-        and getattr(type(layer.self_attn), "_macspec_stock", None) in attentions
-        and getattr(type(layer.mlp), "_macspec_stock", None) in mlps
+        STATE.stock_class(layer) in (llama.TransformerBlock, qwen2.TransformerBlock)
+        and STATE.stock.get(type(layer.self_attn)) in attentions
+        and STATE.stock.get(type(layer.mlp)) in mlps
     )
 
 
@@ -436,27 +418,25 @@ def accelerate(model: nn.Module) -> int:
     for i, layer in enumerate(layers):
         if isinstance(layer, nn.Module):
             _switch_block(layer, fusable(layer))
-            layer._macspec_overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
+            STATE.keep(layer).overlap = i % OVERLAP_EVERY == OVERLAP_EVERY - 1
     return changed
 
 
 # Every third decoder layer starts evaluating the graph built so far, so that the stream computes
-# while Python builds the rest of the pass (milliseconds of graph building a pass). Only with
-# the native products: OpenBLAS's threads wait for each other spinning, and a Python thread
-# building beside them on a 2-core CPU made its products several times slower.
+# while Python builds the rest of the pass. Only with the native products: OpenBLAS's threads
+# wait for each other spinning, and a Python thread building beside them on a CPU of few cores
+# slowed its products (docs/cpu.md, "figures behind the code").
 OVERLAP_EVERY = 3
-_overlap = True
 
 
 @contextmanager
 def serial():
     """Build each pass whole before evaluating it (doctor times graph building alone)."""
-    global _overlap
-    was, _overlap = _overlap, False
+    was, STATE.overlap = STATE.overlap, False
     try:
         yield
     finally:
-        _overlap = was
+        STATE.overlap = was
 
 
 def _fused_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array | None:
@@ -466,16 +446,19 @@ def _fused_call(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.ar
 
 
 def _overlapped_call(self, *args: Any, **kwargs: Any) -> Any:
-    out = _fused_call(self, *args, **kwargs) if self._macspec_fusable else None
+    kept = STATE.kept(self)
+    out = _fused_call(self, *args, **kwargs) if kept is not None and kept.fusable else None
     if out is None:
-        out = type(self)._macspec_stock.__call__(self, *args, **kwargs)
+        out = STATE.stock[type(self)].__call__(self, *args, **kwargs)
     return overlapped(self, out)
 
 
 def overlapped(layer: nn.Module, out: Any) -> Any:
     """`out`, the layer's output, its evaluation started where this layer starts one."""
-    if _overlap and layer._macspec_overlap and isinstance(out, mx.array) and products.active():
-        mx.async_eval(out)
+    if STATE.overlap and isinstance(out, mx.array) and products.active():
+        kept = STATE.kept(layer)
+        if kept is not None and kept.overlap:
+            mx.async_eval(out)
     return out
 
 
@@ -488,17 +471,17 @@ def stock(*models: nn.Module | None) -> Iterator[None]:
         for model in models
         if model is not None
         for _, m in model.named_modules()
-        if "_macspec_stock" in type(m).__dict__
+        if STATE.is_switched(m)
     ]
     repacked = [m for m in switched if products.repacked(m)]
     for m in switched:
-        m.__class__ = type(m)._macspec_stock
+        m.__class__ = STATE.stock[type(m)]
     for m in repacked:
         products.unpack(m)
     try:
         yield
     finally:
         for m in switched:
-            m.__class__ = _SUBCLASSES[type(m)]
+            m.__class__ = STATE.switched[type(m)]
         for m in repacked:
             products.pack(m)

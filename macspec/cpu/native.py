@@ -5,9 +5,10 @@ The extension is an MLX primitive: it joins MLX's graph like any op and runs on 
 It is compiled for this CPU (-march=native) with the system C++ compiler (which MLX's own CPU
 `mx.compile` needs as well), against the installed mlx headers and the nanobind version whose
 ABI the mlx wheel was built with, and cached under the macspec cache directory, one file per
-(source, mlx, nanobind, Python, CPU) combination. Building takes 15-60 s once; nothing is
-downloaded. MACSPEC_NATIVE=0 turns it off; any failure is remembered as the reason, logged at
-INFO (`macspec -v`) and reported by `macspec doctor`.
+(source, mlx, nanobind, Python, CPU) combination. Building takes a while, once (docs/cpu.md,
+"figures behind the code"); nothing is downloaded. MACSPEC_NATIVE=0 turns it off; any failure
+is remembered as the reason (STATE.ext_reason), logged at INFO (`macspec -v`) and
+reported by `macspec doctor`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import mlx.core as mx
 from ..base import switches
 from ..base.logs import progress
 from ..base.paths import native_dir
+from .state import STATE
 
 log = logging.getLogger("macspec.cpu")
 
@@ -50,11 +52,6 @@ HEADERS = tuple(
     for n in ("common", "layer", "linear", "block", "vec16", "quant", "qdot", "qint8")
 )
 MODULE = "_macspec_cpu"
-
-_module: ModuleType | None = None
-_tried = False
-reason: str | None = None  # why the extension is not in use, when it is not
-build: str | None = None  # the loaded build's key: its sources, compiler and CPU (kept costs)
 
 
 def _compiler() -> str | None:
@@ -210,30 +207,29 @@ def _why_not(cxx: str | None) -> str | None:
 
 
 def load() -> ModuleType | None:
-    """The extension (built first if needed), or None with `reason` saying why."""
-    global _module, _tried, reason
-    if _tried:
-        return _module
+    """The extension (built first if needed), or None with STATE.ext_reason saying why."""
+    if STATE.ext_tried:
+        return STATE.ext
     threads = switches.NATIVE_THREADS.value()  # a malformed value is the caller's OptionError
-    _tried = True
+    STATE.ext_tried = True
     cxx = _compiler()
     reason = _why_not(cxx)
     if reason is None:
         try:
-            _module = _built(cxx, threads)
+            STATE.ext = _built(cxx, threads)
         except Exception as e:  # a failed build or an ABI mismatch: mlx's ops stay in use
             reason = f"{type(e).__name__}: {e}"
+    STATE.ext_reason = reason
     if reason is not None:
         log.info("the native CPU kernels are not in use, mlx's own ops are: %s", reason)
-    return _module
+    return STATE.ext
 
 
 def _built(cxx: str, threads: int | None) -> ModuleType:
     """The extension for this machine, built first if it is not in the cache, self-tested."""
     arch = switches.NATIVE_ARCH.value()
     name = MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or "")
-    global build
-    build = _key(cxx, arch)
+    build = STATE.ext_build = _key(cxx, arch)
     path = native_dir() / build / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,36 +22,27 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..base import switches
 from ..core import target
 from . import native
-
-_enabled = switches.NATIVE_PRODUCTS.value()
-# Off: quantized products take float activations (the weights unpacked to float32) instead of
-# int8 ones with integer dot products, llama.cpp's choice on CPUs too. Int8 moves the logits
-# slightly, for plain and speculative decoding alike: exactness is relative to the target as run.
-int8_activations = switches.INT8_ACTIVATIONS.value()
-# Off: 4-bit weights stay in MLX's layout, and each pass transposes them on the fly (repack).
-repack_weights = switches.REPACK.value()
+from .state import STATE
 
 
 def enabled() -> bool:
-    return _enabled
+    return STATE.native_products
 
 
 def active() -> bool:
     """The native products are switched on and built (loaded)."""
-    return _enabled and native.load() is not None
+    return STATE.native_products and native.load() is not None
 
 
 def set_enabled(on: bool) -> None:
     """Switch the native products on or off for every switched module (tests, A/B timing)."""
-    global _enabled
-    _enabled = on
+    STATE.native_products = on
 
 
 def _ext(x: mx.array) -> Any:
-    if not _enabled or x.dtype != mx.float32 or x.ndim == 0:
+    if not STATE.native_products or x.dtype != mx.float32 or x.ndim == 0:
         return None
     return native.load()
 
@@ -93,21 +84,23 @@ def linear_call(self: nn.Linear, x: mx.array) -> mx.array:
     if ext is not None:
         y = ext.linear(x, self.weight)
         return y + self["bias"] if "bias" in self else y
-    return type(self)._macspec_stock.__call__(self, x)
+    return STATE.stock[type(self)].__call__(self, x)
 
 
 def _qlinear(ext: Any, m: nn.Module, x: mx.array) -> mx.array:
-    return ext.qlinear(x, m.weight, m.scales, m.biases, m.group_size, m.bits, int8=int8_activations)
+    return ext.qlinear(
+        x, m.weight, m.scales, m.biases, m.group_size, m.bits, int8=STATE.int8_activations
+    )
 
 
 def quantized_linear_call(self: nn.QuantizedLinear, x: mx.array) -> mx.array:
     ext = _ext(x)
-    if repacked(self) and (ext is None or not int8_activations):
+    if repacked(self) and (ext is None or not STATE.int8_activations):
         unpack(self)  # mlx's own product, or float activations, read MLX's layout
     if ext is not None and quantized_ok(self):
         y = _qlinear(ext, self, x)
         return y + self["bias"] if "bias" in self else y
-    return type(self)._macspec_stock.__call__(self, x)
+    return STATE.stock[type(self)].__call__(self, x)
 
 
 # -------------------------------------------------------------------- weights repacked at load
@@ -131,9 +124,9 @@ def packable(m: nn.Module) -> bool:
     ext = native.load()
     return (
         ext is not None
-        and _enabled
-        and int8_activations
-        and repack_weights
+        and STATE.native_products
+        and STATE.int8_activations
+        and STATE.repack_weights
         and ext.q4_packs()
         and isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and quantized_ok(m)
@@ -258,7 +251,7 @@ def take_rows(m: nn.Module, name: str, ids: mx.array) -> mx.array:
 def quantized_embedding_call(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     """An embedding's lookup, as mlx's, from repacked weights as well (a tied head's)."""
     if not repacked(self):
-        return type(self)._macspec_stock.__call__(self, x)
+        return STATE.stock[type(self)].__call__(self, x)
     w, s, b = (take_rows(self, name, x) for name in ("weight", "scales", "biases"))
     return mx.dequantize(
         w, scales=s, biases=b, group_size=self.group_size, bits=self.bits, mode=self.mode
@@ -269,16 +262,16 @@ def embedding_as_linear(self: nn.Embedding, x: mx.array) -> mx.array:
     ext = _float32(x, self.weight)
     if ext is not None:
         return ext.linear(x, self.weight)
-    return type(self)._macspec_stock.as_linear(self, x)
+    return STATE.stock[type(self)].as_linear(self, x)
 
 
 def quantized_embedding_as_linear(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:
     ext = _ext(x)
-    if repacked(self) and (ext is None or not int8_activations):
+    if repacked(self) and (ext is None or not STATE.int8_activations):
         unpack(self)
     if ext is not None and quantized_ok(self):
         return _qlinear(ext, self, x)
-    return type(self)._macspec_stock.as_linear(self, x)
+    return STATE.stock[type(self)].as_linear(self, x)
 
 
 # Module class -> the methods its switched class overrides.

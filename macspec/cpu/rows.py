@@ -2,7 +2,7 @@
 
 Run through the layer's own modules, each row of a shared pass costs a dozen MLX ops a layer (its
 slices of the block's q/k/v, RoPE, the cache's update, attention, a second call for its padding)
-besides the layer's own ten, and on a 2-core CPU each op's hand-off to MLX's stream is a large
+besides the layer's own ten, and on a CPU of few cores each op's hand-off to MLX's stream is a large
 part of a narrow pass. Here a llama/qwen2 layer (blocks.py's case) runs as (norm, q/k/v, RoPE)
 over the whole block, each id at its row's own position as a token tree's pass places its ids,
 then each row's cache update, then (each row's attention over its own cache, the output product,
@@ -20,29 +20,29 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import blocks, kernels, products
-
-_positions: dict[tuple, mx.array] = {}  # (offsets, width) -> the block's positions, per pass
+from .state import STATE
 
 
 def _case(layer: nn.Module, x: mx.array, caches: list) -> tuple | None:
     """(ext, table, weights) where this layer's shared pass can run here: a fused llama/qwen2
     layer (blocks.py) with a table RoPE, a float32 block, unquantized KV caches at integer
     offsets; else None."""
-    ext = kernels.native_layers()
+    ext, kept = kernels.native_layers(), STATE.kept(layer)
     if (
         ext is None
         or not hasattr(ext, "rows_attn_mlp")
         or not blocks.enabled()
         or not products.active()
-        or not getattr(layer, "_macspec_fusable", False)
+        or kept is None
+        or not kept.fusable
         or x.dtype != mx.float32
         or x.ndim != 3
         or not all(type(c) is KVCache and isinstance(c.offset, int) for c in caches)
     ):
         return None
     attn = layer["self_attn"]
-    table = getattr(attn, "_macspec_rope", None)
-    if not isinstance(table, kernels.TableRoPE) or getattr(attn, "_macspec_tree", None) is not None:
+    table = STATE.rope(attn)
+    if not isinstance(table, kernels.TableRoPE) or STATE.tree(attn) is not None:
         return None
     weights = blocks.layer_weights(layer)
     return None if weights is None else (ext, table, weights)
@@ -51,11 +51,11 @@ def _case(layer: nn.Module, x: mx.array, caches: list) -> tuple | None:
 def _block_positions(offsets: tuple[int, ...], width: int) -> mx.array:
     """Row r's ids at offsets[r], offsets[r] + 1, ..., as one (B * width,) int32 array; every
     layer of a pass asks for the same one."""
-    key = (offsets, width)
-    if key not in _positions:
-        _positions.clear()
-        _positions[key] = mx.array([o + j for o in offsets for j in range(width)], mx.int32)
-    return _positions[key]
+    key, positions = (offsets, width), STATE.positions
+    if key not in positions:
+        positions.clear()
+        positions[key] = mx.array([o + j for o in offsets for j in range(width)], mx.int32)
+    return positions[key]
 
 
 def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> Any:
@@ -80,6 +80,6 @@ def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> Any:
     wo, norm, wg, wu, wd, (bits, group) = weights[5:]
     out = ext.rows_attn_mlp(
         h, q, keys, values, lengths, wo, norm, layer["post_attention_layernorm"].eps, wg, wu,
-        wd, layer["self_attn"].scale, bits, group, products.int8_activations,
+        wd, layer["self_attn"].scale, bits, group, STATE.int8_activations,
     )  # fmt: skip
     return kernels.overlapped(layer, out.reshape(b, width, dim))

@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..base.errors import ModelError
+from ..core import hooks
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +179,8 @@ def trunk_args(model: nn.Module) -> Any:
 
 def make_block(model: nn.Module, index: int) -> nn.Module:
     """A fresh decoder layer built as the target's layer `index` is (same class and arguments)."""
-    cls = type(model.layers[index])
     # A layer the CPU kernels switched keeps mlx-lm's class here; the block is switched alone.
-    cls = getattr(cls, "_macspec_stock", cls)
+    cls = hooks.stock_class(model.layers[index])
     args = trunk_args(model)
     takes_index = len(inspect.signature(cls.__init__).parameters) > 2
     return cls(args, index) if takes_index else cls(args)
@@ -350,7 +350,6 @@ def drafter_factory(path: Path, model: nn.Module, vocab_size: int, accelerate: b
     """`macspec.load(target, drafter="mtp")`: the heads kept beside the model in `path`, and a
     factory of fresh drafters over them (its argument: adaptive K); with `accelerate`, the heads'
     blocks switched as the target's layers are (core/hooks.py)."""
-    from ..core import hooks
     from ..core.drafters.mtp import STOP_BELOW, MtpDrafter
 
     cfg, heads = read_heads(path, model)

@@ -90,7 +90,8 @@ def switch_report() -> list[dict[str, Any]]:
 
 def layer_kernels() -> str:
     """Which of macspec's CPU layer kernels run: native primitives, or whole-array mlx ops."""
-    from ..cpu import blocks, kernels, native, products
+    from ..cpu import blocks, kernels, products
+    from ..cpu.state import STATE
 
     if kernels.native_layers() is not None:
         fused = (
@@ -102,7 +103,7 @@ def layer_kernels() -> str:
             f"macspec's native ones (RMS norm, SwiGLU, RoPE, attention; any number of rows, "
             f"each with the bits it gets alone; {fused})"
         )
-    why = native.reason or f"{switches.NATIVE_LAYERS} is off"
+    why = STATE.ext_reason or f"{switches.NATIVE_LAYERS} is off"
     return f"macspec's table RoPE, attention and SwiGLU as mlx ops (native ones off: {why})"
 
 
@@ -110,14 +111,15 @@ def native_products() -> str:
     """Whether the weight products of a few rows run macspec's native kernels (built on first
     use), and on how many threads."""
     from ..cpu import native, products
+    from ..cpu.state import STATE
 
     ext = native.load()
     if ext is None:
-        return f"off: {native.reason}; mlx's own products (BLAS, scalar quantized)"
+        return f"off: {STATE.ext_reason}; mlx's own products (BLAS, scalar quantized)"
     if not products.enabled():
         off = f"{switches.NATIVE_PRODUCTS} is off"
         return f"off: {off}; mlx's own products (BLAS, scalar quantized)"
-    repacked = products.int8_activations and products.repack_weights and ext.q4_packs()
+    repacked = STATE.int8_activations and STATE.repack_weights and ext.q4_packs()
     return f"in use ({ext.threads()} threads; float32 and 4/8-bit, any number of rows" + (
         "; 4-bit weights in groups of 64 repacked at load)" if repacked else ")"
     )

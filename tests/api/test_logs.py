@@ -8,12 +8,13 @@ import pytest
 from macspec.base import logs
 from macspec.cli import build_parser
 from macspec.cpu import native
+from macspec.cpu.state import STATE
 
 
 @pytest.fixture
 def native_off(monkeypatch):
-    for name, value in (("_tried", False), ("_module", None), ("reason", None)):
-        monkeypatch.setattr(native, name, value)
+    for name, value in (("ext_tried", False), ("ext", None), ("ext_reason", None)):
+        monkeypatch.setattr(STATE, name, value)
     monkeypatch.setenv("MACSPEC_NATIVE", "0")
     yield
     logs.show(verbose=False)
@@ -33,7 +34,7 @@ def test_verbose_shows_the_reasons_and_quiet_does_not(native_off, capsys, monkey
     logs.show(verbose=False)
     native.load()
     assert WHY not in capsys.readouterr().err
-    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(STATE, "ext_tried", False)
     logs.show(verbose=True)
     native.load()
     assert WHY in capsys.readouterr().err

@@ -19,6 +19,7 @@ from macspec.base.errors import CacheError
 from macspec.core import NgramDrafter, hooks
 from macspec.core.batch import shared_pass, shared_reason
 from macspec.core.batch_rounds import PREFILL_CHUNK, BatchDriver, Row, row_rounds
+from macspec.cpu.state import STATE
 
 PROMPTS = [
     "the cat sat on the mat",
@@ -238,7 +239,7 @@ def test_a_4bit_model_with_int8_activations_gives_each_row_its_own_logits_bit_fo
 
     if not products.enabled():
         pytest.skip("no native products here")
-    monkeypatch.setattr(products, "int8_activations", True)
+    monkeypatch.setattr(STATE, "int8_activations", True)
     model, _ = mlx_load(str(make_tiny_model(tmp_path / "m", seed=3, hidden=64, scale=2.0)))
     nn.quantize(model, group_size=32, bits=4)
     mx.eval(model.parameters())

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.tinymodels import make_tiny_model
 
 import macspec
 
@@ -71,6 +72,34 @@ def test_the_import_check_sees_a_forbidden_import(tmp_path):
     assert not _allowed("macspec.models.store") and not _allowed("macspec.api.pair")
 
 
+def _foreign_marks(source: str) -> list[str]:
+    """Every `_macspec_*` name `source` reads or sets as an attribute or names in a string (a
+    getattr/setattr/hasattr argument): the CPU package's marks on mlx-lm's objects, which the
+    core asks of the CPU package through core/hooks.py instead."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_macspec_"):
+            found.append(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found += [w for w in node.value.split() if w.startswith("_macspec_")]
+    return found
+
+
+def test_the_core_reads_no_mark_of_the_cpu_package():
+    found = {
+        str(path.relative_to(CORE)): _foreign_marks(path.read_text())
+        for path in sorted(CORE.rglob("*.py"))
+    }
+    assert {f: marks for f, marks in found.items() if marks} == {}
+
+
+def test_the_mark_check_sees_a_mark():
+    # The check above must be able to fail: both a string and an attribute are caught.
+    assert _foreign_marks('getattr(type(a), "_macspec_stock", None)') == ["_macspec_stock"]
+    assert _foreign_marks("m._macspec_tree = None") == ["_macspec_tree"]
+    assert _foreign_marks("x = m.rope  # _macspec_rope in a comment") == []
+
+
 def test_the_core_does_no_io():
     for path in sorted(CORE.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -85,8 +114,8 @@ def test_the_core_does_no_io():
 
 @pytest.mark.subprocess
 def test_the_core_imported_alone_loads_no_cpu_package():
-    # Stands in for `macspec/__init__.py` (which installs the CPU package) with a bare package,
-    # so that only what the core itself imports is loaded.
+    # Stands in for `macspec/__init__.py` with a bare package, so that only what the core itself
+    # imports is loaded.
     code = f"""
 import importlib, json, pkgutil, sys, types
 pkg = types.ModuleType("macspec")
@@ -103,6 +132,18 @@ print(json.dumps(sorted(n for n in sys.modules if n.startswith("macspec"))))
     assert "macspec.core.loop" in loaded and "macspec.core.drafters.eagle" in loaded
     # macspec.base itself: the package of errors and switches (a docstring, nothing else)
     assert [n for n in loaded if n not in ("macspec", "macspec.base") and not _allowed(n)] == []
-    from macspec.core import hooks
 
-    assert hooks.installed().name == "cpu"  # while `import macspec` installs it
+
+@pytest.mark.subprocess
+def test_importing_macspec_installs_no_hooks_and_loading_a_model_does(tmp_path):
+    path = make_tiny_model(tmp_path / "model", seed=0)
+    code = f"""
+import macspec
+from macspec.core import hooks
+print(hooks.installed().name)
+macspec.load({str(path)!r}, measure=False)
+print(hooks.installed().name)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["mlx", "cpu"]

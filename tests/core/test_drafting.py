@@ -21,6 +21,7 @@ import macspec.core.verify as verify
 from macspec.api.kept_costs import calibrate
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
 from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
+from macspec.cpu.state import STATE
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +315,6 @@ def test_costs_kept_under_other_cpu_kernels_are_measured_again(
 ):
     from macspec.api import kept_costs as cal
     from macspec.core import hooks
-    from macspec.cpu import native, products
 
     if hooks.installed().name != "cpu":
         pytest.skip("the CPU package is not installed")
@@ -324,10 +324,10 @@ def test_costs_kept_under_other_cpu_kernels_are_measured_again(
     calibrate(roomy_pair)
     calibrate(roomy_pair)
     assert prefilled.count(512) == 1
-    monkeypatch.setattr(native, "build", "another build of the kernels")
+    monkeypatch.setattr(STATE, "ext_build", "another build of the kernels")
     calibrate(roomy_pair)
     assert prefilled.count(512) == 2
-    monkeypatch.setattr(products, "repack_weights", not products.repack_weights)
+    monkeypatch.setattr(STATE, "repack_weights", not STATE.repack_weights)
     calibrate(roomy_pair)
     assert prefilled.count(512) == 3
 

@@ -15,6 +15,7 @@ import macspec
 from macspec.base.errors import ModelError
 from macspec.core.drafters.eagle import EagleDrafter, TargetParts
 from macspec.core.target import hidden_states
+from macspec.cpu.state import STATE
 from macspec.models.compat import check
 
 
@@ -74,7 +75,7 @@ def test_load_makes_an_eagle_drafter(eagle_pair, eagle_only, eagle_dirs):
     from macspec.cpu import products
 
     native = products.active() and mx.default_device() == mx.cpu
-    assert ("_macspec_stock" in type(drafter.draft.fc).__dict__) == native
+    assert STATE.is_switched(drafter.draft.fc) == native
     assert drafter.parts.native
     stock = macspec.load(*eagle_dirs, drafter="model", kernels=False).make_drafter(False)
     assert type(stock.draft.fc) is nn.Linear and not stock.parts.native

@@ -27,6 +27,7 @@ from macspec.base import switches
 from macspec.core import hooks, policy
 from macspec.core.target import Target
 from macspec.cpu import alike, blocks, kernels, native, products
+from macspec.cpu.state import STATE
 
 WIDTHS = (1, 2, 16, 17, 18, 25, 33, 64)
 PROMPT = [3, 9, 27, 17, 5, 40, 2]
@@ -57,13 +58,13 @@ def _unalike_widths(model) -> list[int]:
     return out
 
 
-@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {native.reason}")
+@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {STATE.ext_reason}")
 @pytest.mark.parametrize(("bits", "group", "int8"), KINDS)
 @pytest.mark.parametrize("module", [llama, qwen2])  # qwen2: biased q/k/v products
 def test_every_row_of_a_pass_of_any_width_is_a_plain_step(
     module, bits, group, int8, native_calls, monkeypatch
 ):
-    monkeypatch.setattr(products, "int8_activations", int8)
+    monkeypatch.setattr(STATE, "int8_activations", int8)
     model = _model(module, bits, group)
     assert alike.rows_alike(model) and alike.alike_rows(model) is None  # any width
     assert _unalike_widths(model) == []
@@ -74,7 +75,7 @@ def test_every_row_of_a_pass_of_any_width_is_a_plain_step(
         assert products.repacked(model.layers[0].mlp.up_proj)
 
 
-@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {native.reason}")
+@pytest.mark.skipif(native.load() is None, reason=f"no native kernels here: {STATE.ext_reason}")
 def test_a_prompt_read_in_one_pass_leaves_the_states_of_one_id_at_a_time():
     """Prefill is no other path: a 47-id prompt read whole, then a step, gives the logits and
     the KV cache that 47 one-id passes and the step give (so a prompt-cache restore, whose
@@ -96,7 +97,7 @@ def test_a_prompt_read_in_one_pass_leaves_the_states_of_one_id_at_a_time():
 
 
 def test_without_the_native_kernels_rows_are_not_promised_alike(monkeypatch):
-    monkeypatch.setattr(products, "_enabled", False)
+    monkeypatch.setattr(STATE, "native_products", False)
     model = _model(llama, 4, 64)
     assert not alike.rows_alike(model)
     monkeypatch.setenv(str(switches.SPECULATE_UNALIKE), "0")
@@ -123,7 +124,7 @@ def test_a_target_on_mlx_ops_is_said_to_round_its_rows_otherwise(caplog):
     rows = chunk_logits(model, [PROMPT, ids])[1]
     assert any(not np.array_equal(rows[i], steps[i][0]) for i in range(8))
     np.testing.assert_allclose(rows, np.concatenate(steps), rtol=0, atol=1e-4)
-    alike._WARNED.discard("gemma3_text")
+    STATE.told.discard("gemma3_text")
     with caplog.at_level(logging.WARNING, logger="macspec.cpu"):
         assert alike.alike_rows(model) is None
         assert alike.alike_rows(model) is None

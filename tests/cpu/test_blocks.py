@@ -12,10 +12,13 @@ from mlx_lm.models import llama, qwen2
 from support.tinymodels import chunk_logits, llama_like
 
 from macspec.core import caches, tree
-from macspec.cpu import blocks, kernels, native, products
+from macspec.cpu import blocks, kernels, native
+from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 CHUNKS = [[3, 9, 27, 17], [5], [40, 2, 33], [60, 1] * 12, [7], [8, 9]]  # [60, 1] * 12: 24 rows
 
@@ -111,7 +114,7 @@ def test_replaced_weights_are_read_again(spy):
 )
 def test_other_layers_run_op_by_op_with_mlx_lm_logits(case, spy, monkeypatch):
     # float activations in quantized products: mlx-lm's logits up to the summation order
-    monkeypatch.setattr(products, "int8_activations", False)
+    monkeypatch.setattr(STATE, "int8_activations", False)
     shape = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
     shape = shape if case == "partly quantized" else {}
     model = llama_like(llama, mlp_bias=case == "mlp bias", **shape)

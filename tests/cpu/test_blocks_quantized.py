@@ -16,10 +16,13 @@ from test_blocks import _one_op_at_a_time
 from test_products_int8 import q4_pair_in
 
 import macspec
-from macspec.cpu import blocks, kernels, native, products
+from macspec.cpu import kernels, native, products
+from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4}
 PROMPT = [3, 9, 27, 17, 5, 40, 2]
@@ -43,7 +46,7 @@ def _quantized(module, bits: int, group: int, half: bool, predicate=None):
 def test_fused_quantized_layers_equal_the_ops_bit_for_bit(
     module, bits, group, half, int8, native_calls, monkeypatch
 ):
-    monkeypatch.setattr(products, "int8_activations", int8)
+    monkeypatch.setattr(STATE, "int8_activations", int8)
     model = _quantized(module, bits, group, half)
     ops = _one_op_at_a_time(model, CHUNKS)
     assert native_calls["qkv_rope"] == 0
@@ -73,7 +76,7 @@ def test_a_step_and_every_verification_row_agree_bit_for_bit(module, native_call
 def test_layers_quantized_in_other_group_sizes_run_op_by_op_and_say_why_once(
     native_calls, caplog, monkeypatch
 ):
-    monkeypatch.setattr(blocks, "_told", set())
+    monkeypatch.setattr(STATE, "told", set())
 
     def q_in_groups_of_32(path, m):
         if not hasattr(m, "to_quantized"):
@@ -98,7 +101,7 @@ def test_layers_mixing_4_and_8_bits_fuse_and_equal_the_ops_bit_for_bit(
     """As a GGUF's Q4_K_M: v and down products at 8 bits beside 4-bit ones, one group size
     (repacked where this build repacks each), the fused layers the ops' bits at every row count,
     and every verification row a plain step's."""
-    monkeypatch.setattr(products, "repack_weights", repack)
+    monkeypatch.setattr(STATE, "repack_weights", repack)
 
     def v_and_down_at_8(path, m):
         if not hasattr(m, "to_quantized"):
@@ -136,7 +139,7 @@ def q4_fused_pair(tmp_path_factory):
 def test_greedy_speculation_on_fused_4bit_layers_equals_plain_decoding(
     q4_fused_pair, native_calls, monkeypatch, k
 ):
-    monkeypatch.setattr(products, "int8_activations", True)
+    monkeypatch.setattr(STATE, "int8_activations", True)
     for prompt in ("Once", "The cat"):
         plain = macspec.generate(
             q4_fused_pair, prompt, max_tokens=30, temperature=0, speculative=False

@@ -48,8 +48,8 @@ def test_the_extension_built_for_an_older_isa_is_exact(arch):
         pytest.skip(f"this CPU cannot run an {arch} build")
     env = {**os.environ, "MACSPEC_NATIVE_ARCH": arch}
     probe = (
-        "from macspec.cpu import native; e = native.load(); "
-        "print(e.int8_isa() if e else native.reason)"
+        "from macspec.cpu import native; from macspec.cpu.state import STATE; "
+        "e = native.load(); print(e.int8_isa() if e else STATE.ext_reason)"
     )
     built = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert built.stdout.strip().splitlines()[-1] == isa, built.stdout + built.stderr

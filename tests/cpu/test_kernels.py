@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from support.tinymodels import chunk_logits, llama_like
 
 from macspec.cpu import kernels
+from macspec.cpu.state import STATE
 
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 
@@ -30,7 +31,7 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 )
 @pytest.mark.parametrize("native", [True, False])  # the native primitives where built, or mlx ops
 def test_accelerated_layers_give_mlx_lm_logits(module, over, native, monkeypatch):
-    monkeypatch.setattr(kernels, "_native_layers", native)
+    monkeypatch.setattr(STATE, "native_layers", native)
     model = llama_like(module, **over)
     stock = chunk_logits(model, CHUNKS)
     assert kernels.accelerate(model) == 2
@@ -54,7 +55,28 @@ def test_same_weights_same_names_and_stock_restores():
         assert type(attn) is llama.Attention and type(model.model.layers[1].mlp) is llama.MLP
     assert type(attn) is not llama.Attention
     # One RoPE table serves every layer.
-    assert attn._macspec_rope is model.model.layers[1].self_attn._macspec_rope
+    assert isinstance(STATE.rope(attn), kernels.TableRoPE)
+    assert STATE.rope(attn) is STATE.rope(model.model.layers[1].self_attn)
+
+
+def test_nothing_is_marked_on_mlx_lms_modules_and_what_is_kept_goes_with_them():
+    # What the accelerator keeps of a module (cpu/state.py) is its own, not attributes on the
+    # module, and it is dropped when the module is collected.
+    import gc
+    import weakref
+
+    model = llama_like(llama)
+    kernels.accelerate(model)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    marks = [k for _, m in model.named_modules() for k in vars(m) if k.startswith("_macspec")]
+    assert marks == []
+    attn = model.model.layers[0].self_attn
+    assert STATE.kept(attn) is not None
+    key, ref = id(attn), weakref.ref(attn)
+    del attn, model, cache
+    gc.collect()
+    assert ref() is None and key not in STATE._kept
 
 
 def test_a_mask_array_takes_mlx_lms_path():
@@ -103,7 +125,7 @@ def test_softmax_matches_float64():
 def test_softmax_compiles_a_bounded_number_of_shapes(monkeypatch):
     # Attention's scores grow by one key a token: one traced graph per length would grow the
     # process through a long generation, so the compiled exp is rebuilt after `limit` shapes.
-    monkeypatch.setattr(kernels, "_native_layers", False)  # the mlx-op path's compiled exp
+    monkeypatch.setattr(STATE, "native_layers", False)  # the mlx-op path's compiled exp
     builds = []
     real = kernels._compiled
     monkeypatch.setattr(kernels, "_compiled", lambda fn: builds.append(fn) or real(fn))
@@ -125,7 +147,7 @@ def test_every_compiled_kernel_is_bounded(monkeypatch):
     # Prefill lengths differ per prompt, so RoPE and SwiGLU see new shapes too: a chat of many
     # turns must not keep one traced graph per prompt length in any of them (the mlx-op path,
     # which runs where the native primitives are not built).
-    monkeypatch.setattr(kernels, "_native_layers", False)
+    monkeypatch.setattr(STATE, "native_layers", False)
     model = llama_like(llama)
     kernels.accelerate(model)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -133,7 +155,7 @@ def test_every_compiled_kernel_is_bounded(monkeypatch):
     for length in (3, 5, 7):
         mlp(x[:, :length])
         attn(x[:, :length], mask="causal")
-    for bounded in (kernels._softmax_exp, kernels._swiglu_fast, attn._macspec_rope._pair):
+    for bounded in (kernels._softmax_exp, kernels._swiglu_fast, STATE.rope(attn)._pair):
         assert isinstance(bounded, kernels._BoundedCompile)
         assert bounded.limit == 128 and len(bounded.shapes) >= 3
 
@@ -149,8 +171,8 @@ def test_swiglu_and_exp_limits():
 
 def test_load_accelerates_the_target(pair):
     layer = pair.target.model.layers[0]
-    assert "_macspec_stock" in type(layer.self_attn).__dict__
-    assert "_macspec_stock" in type(layer.mlp).__dict__
+    assert STATE.is_switched(layer.self_attn)
+    assert STATE.is_switched(layer.mlp)
 
 
 def test_nothing_changes_off_the_cpu_backend(monkeypatch):
@@ -177,3 +199,21 @@ def test_every_third_layer_starts_evaluating_the_pass(monkeypatch):
         np.testing.assert_allclose(b, a, rtol=0, atol=2e-5)
     with kernels.stock(model):
         assert type(model.model.layers[2]) is llama.TransformerBlock
+
+
+def test_loading_installs_the_cpu_hooks_only_over_the_plain_defaults():
+    from dataclasses import replace
+
+    from macspec import cpu
+    from macspec.core import hooks
+
+    old = hooks.install(hooks.Hooks())
+    try:
+        cpu.install_default()  # what api/loading.py does at each load
+        assert cpu.installed()
+        mine = replace(hooks.installed(), name="mine")
+        hooks.install(mine)
+        cpu.install_default()
+        assert hooks.installed() is mine
+    finally:
+        hooks.install(old)

@@ -11,10 +11,13 @@ from mlx_lm.models import llama, qwen2
 from support.tinymodels import chunk_logits, llama_like
 
 from macspec.core import hooks
-from macspec.cpu import blocks, kernels, native
+from macspec.cpu import kernels, native
+from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 
 def _normal(shape, seed, scale=1.0):
@@ -275,7 +278,7 @@ def test_bad_shapes_are_refused_with_a_message():
 def spy(monkeypatch, native_calls):
     """The native primitives the switched layers call, one op at a time (the fused layers,
     which run the same kernels, are tests/cpu/test_blocks.py's)."""
-    monkeypatch.setattr(blocks, "_enabled", False)
+    monkeypatch.setattr(STATE, "native_blocks", False)
     return native_calls
 
 
@@ -343,4 +346,5 @@ def test_a_tree_pass_runs_the_primitives_with_positions_and_mask(spy):
         path = prompt + ([shape.tokens[n] for n in shape.path(node)] if node >= 0 else [])
         want = chunk_logits(model, [path])[0][-1]
         np.testing.assert_allclose(np.array(logits[i]), want, atol=2e-5)
-    assert not hasattr(model.model.layers[0].self_attn, "_macspec_tree")
+    attn = model.model.layers[0].self_attn
+    assert STATE.tree(attn) is None and isinstance(STATE.rope(attn), kernels.TableRoPE)

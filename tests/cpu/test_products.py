@@ -14,10 +14,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from support.tinymodels import chunk_logits, llama_like
 
 from macspec.api.mlx_thread import MlxThread
-from macspec.cpu import blocks, kernels, native, products
+from macspec.cpu import kernels, native, products
+from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native products unavailable: {native.reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native products unavailable: {STATE.ext_reason}"
+)
 
 
 def _normal(shape, seed):
@@ -108,12 +111,12 @@ CHUNKS = [[3, 9, 27, 17, 51, 25, 11] * 3, [5], [40, 2, 33, 8], [13]]
 
 
 def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
-    monkeypatch.setattr(blocks, "_enabled", False)  # the layers op by op: each product a call
+    monkeypatch.setattr(STATE, "native_blocks", False)  # the layers op by op: each product a call
     model = _model()
     stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
-    assert "_macspec_stock" in type(model.model.layers[0].self_attn.q_proj).__dict__
-    assert "_macspec_stock" in type(model.model.embed_tokens).__dict__
+    assert STATE.is_switched(model.model.layers[0].self_attn.q_proj)
+    assert STATE.is_switched(model.model.embed_tokens)
     calls = []
     real = ext.linear
     monkeypatch.setattr(ext, "linear", lambda x, w: calls.append(x.shape) or real(x, w))
@@ -141,12 +144,12 @@ def test_switched_model_uses_native_products_and_gives_mlx_logits(monkeypatch):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("int8", [False, True])
 def test_quantized_model_gives_mlx_logits(monkeypatch, bits, int8):
-    monkeypatch.setattr(products, "int8_activations", int8)
+    monkeypatch.setattr(STATE, "int8_activations", int8)
     model = _model()
     nn.quantize(model, group_size=32, bits=bits)
     stock = chunk_logits(model, CHUNKS)
     kernels.accelerate(model)
-    assert "_macspec_stock" in type(model.model.layers[1].mlp.down_proj).__dict__
+    assert STATE.is_switched(model.model.layers[1].mlp.down_proj)
     fast = chunk_logits(model, CHUNKS)
     for a, b in zip(stock, fast, strict=True):
         # float activations: the summation order alone; int8 ones: x rounded as well
@@ -158,7 +161,7 @@ def test_quantized_model_gives_mlx_logits(monkeypatch, bits, int8):
 def test_half_quantized_model_computes_in_float32(monkeypatch):
     # float activations: the test is about the half types; int8 ones can flip this random
     # model's near ties (test_products_int8.py covers them)
-    monkeypatch.setattr(products, "int8_activations", False)
+    monkeypatch.setattr(STATE, "int8_activations", False)
     model = _model()
     model.set_dtype(mx.float16)
     nn.quantize(model, group_size=32, bits=8)
@@ -222,12 +225,12 @@ def test_unquantized_half_model_is_left_alone():
 
 
 def test_off_switch(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_tried", False)
-    monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "reason", None)
+    monkeypatch.setattr(STATE, "ext_tried", False)
+    monkeypatch.setattr(STATE, "ext", None)
+    monkeypatch.setattr(STATE, "ext_reason", None)
     monkeypatch.setenv("MACSPEC_NATIVE", "0")
     assert native.load() is None
-    assert native.reason == "switched off (MACSPEC_NATIVE is off)"
+    assert STATE.ext_reason == "switched off (MACSPEC_NATIVE is off)"
 
 
 @pytest.mark.subprocess

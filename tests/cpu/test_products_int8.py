@@ -26,11 +26,12 @@ import macspec
 import macspec.core.verify as engine
 from macspec.base import switches
 from macspec.cpu import native, products
+from macspec.cpu.state import STATE
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(
     ext is None or ext.int8_isa() is None,
-    reason=f"int8 products unavailable: {native.reason or 'no integer dot products here'}",
+    reason=f"int8 products unavailable: {STATE.ext_reason or 'no integer dot products here'}",
 )
 
 
@@ -221,7 +222,7 @@ def test_int8_products_stay_close_to_the_float_ones():
 
 
 def test_the_switch_is_read_from_the_environment():
-    code = "from macspec.cpu import products; print(products.int8_activations)"
+    code = "from macspec.cpu.state import STATE; print(STATE.int8_activations)"
     for value, want in (("0", "False"), ("1", "True"), ("", "True")):
         env = {**os.environ, switches.INT8_ACTIVATIONS.name: value}
         done = subprocess.run(
@@ -238,7 +239,7 @@ def test_the_switch_picks_the_products(monkeypatch):
     x = mx.random.normal((1, 3, 128), key=mx.random.key(7))
     weights = (layer.weight, layer.scales, layer.biases)
     for on in (True, False):
-        monkeypatch.setattr(products, "int8_activations", on)
+        monkeypatch.setattr(STATE, "int8_activations", on)
         got = np.array(products.quantized_linear_call(layer, x))
         want = np.array(real(x, *weights, 64, 4, int8=on))
         np.testing.assert_array_equal(got, want)
@@ -302,7 +303,7 @@ def _repacked(model: nn.Module) -> bool:
 
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_speculation_on_a_4bit_target_equals_plain_decoding(q4_pair, monkeypatch, k):
-    monkeypatch.setattr(products, "int8_activations", True)
+    monkeypatch.setattr(STATE, "int8_activations", True)
     calls = _spy_rows(monkeypatch)
     for prompt in ("Once", "The cat", "abc abc"):
         plain = macspec.generate(q4_pair, prompt, max_tokens=40, temperature=0, speculative=False)
@@ -336,7 +337,7 @@ def q4_small_pair(tmp_path_factory, request):
 def test_speculative_distribution_on_a_4bit_target_is_the_targets(
     q4_small_pair, monkeypatch, broken
 ):
-    monkeypatch.setattr(products, "int8_activations", True)
+    monkeypatch.setattr(STATE, "int8_activations", True)
     if broken is not None:  # the test tells a wrong acceptance rule apart on this target too
         monkeypatch.setattr(engine, "accept", broken)
     options = {"temperature": 1.0}

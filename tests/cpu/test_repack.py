@@ -14,6 +14,7 @@ from test_products_int8 import _q8, _weights, reference
 from macspec.core import hooks, target
 from macspec.core.drafters import pruned
 from macspec.cpu import kernels, native, products
+from macspec.cpu.state import STATE
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(
@@ -98,13 +99,13 @@ def test_a_repacked_layer_unpacks_for_mlx_and_for_float_activations(monkeypatch)
     native_int8 = np.array(layer(x))
     assert products.repack(stack) == 1 and products.repacked(layer)
     np.testing.assert_array_equal(np.array(layer(x)), native_int8)
-    monkeypatch.setattr(products, "int8_activations", False)  # float products read MLX's layout
+    monkeypatch.setattr(STATE, "int8_activations", False)  # float products read MLX's layout
     floats = np.array(layer(x))
     assert not products.repacked(layer)
     np.testing.assert_array_equal(
         floats, np.array(ext.qlinear(x, layer.weight, layer.scales, layer.biases, 64, 4))
     )
-    monkeypatch.setattr(products, "int8_activations", True)
+    monkeypatch.setattr(STATE, "int8_activations", True)
     products.pack(layer)
     products.set_enabled(False)
     try:
@@ -147,7 +148,7 @@ def _tiny_pair(tie: bool, repack: bool, monkeypatch) -> nn.Module:
     shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
     model = llama_like(hidden_size=64, vocab_size=96, tie_word_embeddings=tie, **shape)
     nn.quantize(model, group_size=64, bits=4)
-    monkeypatch.setattr(products, "repack_weights", repack)
+    monkeypatch.setattr(STATE, "repack_weights", repack)
     kernels.accelerate(model)
     return model
 
@@ -183,8 +184,8 @@ def test_a_repacked_head_unpacks_for_float_activations(monkeypatch):
     model = _tiny_pair(True, True, monkeypatch)
     head = model.model.embed_tokens
     tokens = mx.array([[1, 2, 3]])
-    monkeypatch.setattr(products, "int8_activations", False)
+    monkeypatch.setattr(STATE, "int8_activations", False)
     floats = np.array(model(tokens))
     assert not products.repacked(head)
-    monkeypatch.setattr(products, "repack_weights", False)
+    monkeypatch.setattr(STATE, "repack_weights", False)
     np.testing.assert_array_equal(np.array(_tiny_pair(True, False, monkeypatch)(tokens)), floats)

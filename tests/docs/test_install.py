@@ -113,10 +113,11 @@ def test_installed_package_loads_the_default_pair_with_its_draft(venv):
     script = (
         "import json, macspec\n"
         "from macspec.cpu import native, products\n"
+        "from macspec.cpu.state import STATE\n"
         "pair = macspec.load()\n"
         "print(json.dumps({'module': macspec.__file__, 'kind': pair.drafter_kind,\n"
         "                  'draft': str(pair.draft_path), 'target': pair.target_path.name,\n"
-        "                  'native': [str(native.SOURCE), products.active(), native.reason]}))\n"
+        "                  'native': [str(native.SOURCE), products.active(), STATE.ext_reason]}))\n"
     )
     done = _run([venv / "bin" / "python", "-c", script], env=env, cwd=venv)
     if done.returncode != 0 and "could not download" in done.stderr:

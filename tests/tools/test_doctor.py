@@ -236,10 +236,10 @@ def test_doctor_times_a_model_not_laid_out_as_a_decoder(tmp_path, capsys):
 
 def fresh_native(monkeypatch, home):
     """native.load() starts over, switched on, building into `home` (not the cached build)."""
-    from macspec.cpu import native
+    from macspec.cpu.state import STATE
 
-    for name, value in (("_tried", False), ("_module", None), ("reason", None)):
-        monkeypatch.setattr(native, name, value)
+    for name, value in (("ext_tried", False), ("ext", None), ("ext_reason", None)):
+        monkeypatch.setattr(STATE, name, value)
     monkeypatch.delenv("MACSPEC_NATIVE", raising=False)
     monkeypatch.setenv("MACSPEC_HOME", str(home))
 
@@ -251,13 +251,15 @@ def test_the_native_products_build_wherever_they_are_meant_to(monkeypatch, tmp_p
     import importlib.util
 
     from macspec.cpu import native
+    from macspec.cpu.state import STATE
 
     fresh_native(monkeypatch, tmp_path)
     ext = native.load()
-    if native.reason is not None and native.reason.startswith(("only built", "no C++", "nanobind")):
-        pytest.skip(f"not built on this machine by design: {native.reason}")
+    reason = STATE.ext_reason
+    if reason is not None and reason.startswith(("only built", "no C++", "nanobind")):
+        pytest.skip(f"not built on this machine by design: {reason}")
     assert importlib.util.find_spec("nanobind") is not None
-    assert ext is not None, native.reason
+    assert ext is not None, reason
     assert list((tmp_path / "native").rglob("*.so"))
 
 
@@ -266,15 +268,18 @@ def test_a_failed_native_build_leaves_mlx_products_and_says_why(monkeypatch, tmp
     import shutil
 
     from macspec.cpu import native, products
+    from macspec.cpu.state import STATE
 
     if shutil.which("false") is None:
         pytest.skip("no `false` command to stand in for a failing compiler")
     fresh_native(monkeypatch, tmp_path)
     monkeypatch.setenv("CXX", shutil.which("false"))
     assert native.load() is None and not products.active()
-    if native.reason.startswith("only built"):
+    if STATE.ext_reason.startswith("only built"):
         return  # not Linux, or not an AVX2 CPU: never built
-    assert native.reason.startswith("RuntimeError: false could not build nanobind.o: exit status")
+    assert STATE.ext_reason.startswith(
+        "RuntimeError: false could not build nanobind.o: exit status"
+    )
     from macspec.tools.doctor import native_products
 
     assert native_products().startswith("off: RuntimeError: false could not build nanobind.o")
