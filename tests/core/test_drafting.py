@@ -19,8 +19,10 @@ import macspec
 import macspec.core.target as target_module
 import macspec.core.verify as verify
 from macspec.api.kept_costs import calibrate
+from macspec.core.adaptive import AdaptiveK
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
-from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
+from macspec.core.policy import COPY_FACTOR, Costs
+from macspec.core.tally import Tally
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +412,7 @@ def _policy_at(alpha: float, costs: Costs) -> AdaptiveK:
     """A policy that has seen a long history at acceptance alpha on position 1 (and, with no
     data, the later positions borrow it)."""
     policy = AdaptiveK(k_max=8, costs=costs)
-    policy.arm(None).accepts, policy.arm(None).trials = [alpha * 1e9], [1e9]
+    policy.arm(None).positions = [Tally(0.9, alpha * 1e9, 1e9)]
     return policy
 
 
@@ -434,7 +436,7 @@ def test_a_launched_pass_makes_drafts_pay_for_their_own_pass():
     # but not the 2 ids it adds beyond a running pass (0.75 tokens for 1.2 steps).
     assert policy.next_k() >= 2
     assert policy.next_k(launched=True) == 0
-    assert policy.arm(None).skips_left == 0  # no evidence against drafting: no back-off
+    assert policy.backoff(None).left == 0  # no evidence against drafting: no back-off
     # 95%: the drafts pay for their own pass (8 of them: 6.4 more tokens for 8 rows, 1.71).
     assert _policy_at(0.95, costs).next_k(launched=True) == 8
     assert _policy_at(0.95, costs).marginal_speed(1) == pytest.approx(0.95 / 1.0)
