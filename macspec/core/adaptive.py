@@ -134,7 +134,7 @@ class Trees:
         if due:
             return Decision(self.last, TREE_PROBE, f"every {self.PROBE_EVERY} model rounds")
         ratio = speed / chain
-        return Decision(self.last, TREE, f"{ratio:.2f}x the best chain ({chain:.1f} tok/s)")
+        return Decision(self.last, TREE, f"{ratio:.2f}x the best chain's speed")
 
     def observe(self, path: list[int], seconds: float) -> None:
         if self.last is not None:

@@ -2,6 +2,8 @@
 plain decoding or a cheaper K where speculation loses, probes, returns where it pays, and never
 moves the output distribution. Round times are injected: no test here depends on a clock."""
 
+import logging
+
 import pytest
 from support.exactness import (
     DEPTH,
@@ -19,7 +21,7 @@ import macspec.api.stream as api
 import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
 from macspec.core.observed import TIME_DECAY
-from macspec.core.tally import Tally
+from macspec.core.tally import Decision, Tally
 
 
 def play(policy: Observed, rounds: int, seconds, tokens) -> list[int]:
@@ -128,6 +130,26 @@ def test_a_zero_proposal_stays_a_plain_step():
     assert policy.max_k == 3
 
 
+def test_a_vetoed_round_says_why_and_the_generation_counts_the_reasons(caplog):
+    policy = Observed(Proposes(2))
+    policy.observe_time(0, 1, 1.0)
+    with caplog.at_level(logging.DEBUG, logger="macspec.core"):
+        chosen = play(policy, 2 + Observed.FIRST_WAIT + 1, lambda k: 3.0, lambda k: 1)
+    assert chosen == [2, 2] + [0] * Observed.FIRST_WAIT + [2]
+    assert policy.decision == Decision(2, "probe of a slower arm", policy.decision.detail)
+    assert policy.decision.detail == "model K=2 took 3.00x plain's time a token over 2 rounds"
+    assert policy.reasons.plain_steps() == (("slower than plain here", Observed.FIRST_WAIT),)
+    # One line where the decision changed (to drafting, to plain steps, to drafting), not one
+    # a round.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy: ")]
+    assert lines == [
+        "policy: K=2: fixed",
+        "policy: plain: slower than plain here (model K=2 took 3.00x plain's time a token over 2"
+        " rounds)",
+        f"policy: K=2: probe of a slower arm ({policy.decision.detail})",
+    ]
+
+
 # ---------------------------------------------------------------- exactness while switching
 
 
@@ -205,3 +227,14 @@ def test_stats_count_rounds_and_tokens_per_arm(pair, monkeypatch):
     assert s.arms[0][:2] == ("plain", 0)
     assert {name for name, k, _, _ in s.arms if k} <= {"model", "ngram"}
     assert s.arms_line().startswith(f"plain {s.arms[0][2]}, ")
+
+
+def test_stats_say_why_the_plain_steps_were_plain(pair, monkeypatch):
+    switching(monkeypatch, cheaper=False)
+    r = macspec.generate(pair, "Switch", max_tokens=60, num_draft=4)
+    reasons = dict(r.stats.plain_reasons)
+    assert reasons["slower than plain here"] > 0
+    assert sum(reasons.values()) <= r.stats.arms[0][2]  # (the first token's step has none)
+    assert r.stats.summary().endswith(f", plain steps: {r.stats.plain_line()}")
+    fixed = macspec.generate(pair, "Switch", max_tokens=20, num_draft=4, adaptive=False)
+    assert fixed.stats.plain_reasons == () and "plain steps" not in fixed.stats.summary()
