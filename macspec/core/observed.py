@@ -1,6 +1,6 @@
 """The adaptive policy checked against the round times this machine actually shows.
 
-The inner policy (policy.py) prices rounds with costs measured once at load; those may be wrong
+The inner policy (adaptive.py) prices rounds with costs measured once at load; those may be wrong
 for this run (another process, a kernel whose wide passes cost more than measured, draft time
 the filler did not see). Observed keeps, per arm, the seconds each emitted token really took,
 and lets a round speculate only where that beats the plain steps of the same run.
@@ -31,7 +31,6 @@ ArmKey = tuple[Label, int | TreeShape]
 TIME_DECAY = 0.8  # an arm's round times: about its last five rounds
 
 # The reasons the observed check gives where it overrides the priced choice (Decision.reason).
-FIRST_LOOK = "first look"
 SLOWER = "slower than plain here"
 CHEAPER = "a cheaper K pays here"
 PROBE = "probe of a slower arm"
