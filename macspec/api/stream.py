@@ -131,8 +131,6 @@ class GenerationStats:
             parts.append(f"acceptance {self.acceptance_rate:.0%}")
             parts.append(f"{self.mean_accepted_length:.2f} tokens/round")
             parts.append(f"rounds by arm: {self.arms_line()}")
-        if self.plain_reasons:
-            parts.append(f"plain steps: {self.plain_line()}")
         return ", ".join(parts)
 
 
