@@ -197,7 +197,8 @@ class Observed:
         if best is not None and self.pays(seen.arms[best]):
             return Decision(best[1], CHEAPER, self._slower(label, k, proposed))
         self._vetoing = True
-        return Decision(0, SLOWER, self._slower(label, k, proposed))
+        wait = f"probe in {backoff.left + 1}"
+        return Decision(0, SLOWER, f"{self._slower(label, k, proposed)}, {wait}")
 
     def _slower(self, label: Label, k: int | TreeShape, tally: Tally) -> str:
         """The figures behind a veto: "model K=2 took 1.31x plain's time a token over 6

@@ -145,7 +145,7 @@ def test_a_vetoed_round_says_why_and_the_generation_counts_the_reasons(caplog):
     assert lines == [
         "policy: K=2: fixed",
         "policy: plain: slower than plain here (model K=2 took 3.00x plain's time a token over 2"
-        " rounds)",
+        f" rounds, probe in {Observed.FIRST_WAIT})",
         f"policy: K=2: probe of a slower arm ({policy.decision.detail})",
     ]
 
