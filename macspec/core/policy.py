@@ -3,6 +3,9 @@
 The choice uses only past rounds (measured times, acceptance) and the context (a drafter's label
 for its next proposal), never the current round's target output, so it cannot bias the output
 distribution: exactness holds for any K.
+
+Here: the Policy protocol, the measured costs and the fixed policies. The adaptive one is
+adaptive.py (priced by the costs and acceptance), checked by observed.py (this run's round times).
 """
 
 from __future__ import annotations
