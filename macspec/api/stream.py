@@ -24,6 +24,7 @@ from ..core import (
     make_target,
 )
 from ..core.logprobs import TokenLogprob
+from ..core.observed import Reasons
 from . import chat_template
 from .grammar import Grammar
 from .kept_costs import calibrate
@@ -93,6 +94,13 @@ class GenerationStats:
     # steps, else the registry name of what drafted ("model", "ngram", ...) and the drafts it
     # proposed; ordered plain first, then by drafter and K.
     arms: tuple[tuple[str, int, int, int], ...] = ()
+    # Why the adaptive policy's plain steps were plain: (reason, steps), the most common first
+    # (core/tally.py, Decision.reason; empty for a fixed K and for the first token's step).
+    plain_reasons: tuple[tuple[str, int], ...] = ()
+
+    def plain_line(self) -> str:
+        """Why the plain steps were plain: "priced below plain 30, nothing to propose 2"."""
+        return ", ".join(f"{reason} {n}" for reason, n in self.plain_reasons)
 
     def arms_line(self) -> str:
         """Which drafter and K the rounds used: "plain 40, model K=2 5 (9 tok), ..."."""
@@ -137,8 +145,9 @@ class GenerationResult:
 class _StatsCounter:
     """Accumulates rounds into GenerationStats."""
 
-    def __init__(self, prompt_tokens: int, seed: int):
+    def __init__(self, prompt_tokens: int, seed: int, reasons: Reasons | None = None):
         self.prompt_tokens, self.seed = prompt_tokens, seed
+        self.reasons = reasons  # the adaptive policy's decisions (None: a fixed K)
         self.rounds = self.spec_rounds = self.spec_emitted = self.generated = 0
         self.draft_time = self.verify_time = self.total_time = self.prefill_time = 0.0
         self.plain_step_time = 0.0
@@ -196,6 +205,7 @@ class _StatsCounter:
                     self.arms.items(), key=lambda a: (a[0][0] != "plain", a[0])
                 )
             ),
+            plain_reasons=() if self.reasons is None else self.reasons.plain_steps(),
         )
 
 
@@ -271,12 +281,18 @@ class GenerationStream:
     """Iterator of RoundEvents; `stats()` gives the running totals at any point."""
 
     def __init__(
-        self, pair: Pair, ids: list[int], steps: Iterator[Round], stops: list[str], seed: int
+        self,
+        pair: Pair,
+        ids: list[int],
+        steps: Iterator[Round],
+        stops: list[str],
+        seed: int,
+        reasons: Reasons | None = None,
     ):
         self.prompt_tokens = len(ids)
         self.seed = seed
         self._steps = steps
-        self._counter = _StatsCounter(len(ids), seed)
+        self._counter = _StatsCounter(len(ids), seed, reasons)
         self._text = TextStream(pair.tokenizer, stops)
         self._done = False
 
@@ -353,6 +369,9 @@ def _stream(
         pair.costs = calibrate(pair)
     if drafter is not None and _trees(opts):
         pair.check_trees()
+    policy = _policy(opts, pair) if adaptive else _fixed(opts)
+    # Why the adaptive policy's steps were plain, for the statistics.
+    reasons = policy.reasons if isinstance(policy, Observed) else None
     steps = rounds(
         make_target(pair, drafter),
         drafter,
@@ -364,12 +383,12 @@ def _stream(
         eos_ids=set(pair.eos_token_ids),
         context_length=pair.context_length,
         timing=pair.timing,
-        policy=_policy(opts, pair) if adaptive else _fixed(opts),
+        policy=policy,
         prompt_cache=pair.prompt_cache if pair.group is None else None,
         constraint=constraint,
         logprobs=opts.top_logprobs,
     )
-    return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed)
+    return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed, reasons)
 
 
 def _trees(opts: GenerationOptions) -> int:

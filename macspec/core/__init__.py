@@ -6,8 +6,10 @@ mlx, mlx-lm, numpy and the project's errors and switches, and reads no file and 
     verify.py     the acceptance rule, a speculative round, a plain step
     sampling.py   one distribution for draft and target
     tree.py       token trees: drafted by level, verified in one pass, walked exactly
-    policy.py     fixed and adaptive K (and trees), priced by measured costs
+    policy.py     the Policy protocol, measured costs, fixed K (and trees)
+    adaptive.py   adaptive K (and trees), priced by measured costs and acceptance
     observed.py   the adaptive choice checked against the round times this run observes
+    tally.py      the policy's decaying tally, back-off schedule and decision (with its reason)
     measure.py    what a step, a draft token and a K-wide pass cost here
     sharded.py    a target sharded over mlx.launch ranks
     memory.py     Metal hygiene: wired memory while generating, the buffer cache emptied
@@ -20,6 +22,7 @@ This module is the interface pair.py and api.py use.
 """
 
 from . import caches, hooks, policy
+from .adaptive import AdaptiveK, adaptive
 from .caches import PromptCache
 from .drafters import (
     REGISTRY,
@@ -34,7 +37,7 @@ from .loaded import LoadedPair
 from .loop import Round, Timing, generate_rounds
 from .measure import calibrate
 from .observed import Observations, Observed
-from .policy import AdaptiveK, AdaptiveTree, Costs, FixedK, FixedTree, adaptive
+from .policy import Costs, FixedK, FixedTree
 from .sampling import SamplingOptions
 from .sharded import guard, load_sharded, make_target
 from .tree import TreeShape
@@ -42,7 +45,6 @@ from .tree import TreeShape
 __all__ = [
     "REGISTRY",
     "AdaptiveK",
-    "AdaptiveTree",
     "Costs",
     "Drafter",
     "FixedK",

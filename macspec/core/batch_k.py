@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .adaptive import AdaptiveK
 from .observed import Observed
-from .policy import AdaptiveK, AdaptiveTree, Costs, Label, Policy
+from .policy import Costs, Label, Policy
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,7 @@ class Bid:
 
 def bid(policy: Policy, label: Label, k: int, position: int) -> Bid:
     """The row's Bid for its policy's choice `k` (label: the drafter's, for this proposal)."""
-    inner = policy.inner if isinstance(policy, Observed) else policy
-    chain = inner.chain if isinstance(inner, AdaptiveTree) else inner
+    chain = policy.inner if isinstance(policy, Observed) else policy
     if not isinstance(chain, AdaptiveK) or k == 0:
         return Bid(k, position=position)
     arm = chain.arm(label)

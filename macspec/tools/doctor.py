@@ -17,6 +17,8 @@ from mlx.utils import tree_flatten
 from ..base import platform_info as be
 from ..base import switches
 from ..core import caches, hooks
+from ..core.adaptive import AdaptiveK
+from ..core.policy import Costs
 from ..core.sampling import SamplingOptions, distribution, sample
 from ..core.target import hidden_states, output_head
 
@@ -215,6 +217,7 @@ def format_report(report: dict[str, Any]) -> str:
         for n, parts in v.get("breakdown_ms", {}).items():
             where = ", ".join(f"{p} {ms}" for p, ms in parts.items())
             lines.append(f"{n} token{'s' if n != '1' else ' '} (ms)  {where}")
+        lines += [f"policy         {line}" for line in v.get("policy", [])]
         if "floor_ms" in v:
             lines.append(
                 f"floor          {v['floor_ms']} ms: {v['weights_mb']} MB of weights at "
@@ -386,6 +389,20 @@ def verify_costs(
     }
 
 
+def policy_lines(ms: dict[str, float], rates: tuple[float, ...] = (0.3, 0.6, 0.9)) -> list[str]:
+    """What the adaptive policy chooses with these passes (ms by tokens a pass) for drafts that
+    cost nothing to make (a long match's copy) accepted at each rate, and why (its Decision)."""
+    times = {int(n): t / 1000 for n, t in ms.items()}
+    plain = times.pop(1)
+    verify = tuple((n - 1, t) for n, t in sorted(times.items()))
+    costs = Costs(plain_step=plain, draft_step=0.0, extra=0.0, verify=verify)
+    lines = []
+    for rate in rates:
+        policy = AdaptiveK(k_max=max(times, default=2) - 1, costs=costs, priors={16: rate})
+        lines.append(f"at {rate:.0%}: {policy.decide(16)}")
+    return lines
+
+
 BREAKDOWN_COLORS = {
     "build": "#9e9e9e",
     "layer products": "#1f77b4",
@@ -431,6 +448,7 @@ def doctor(json: bool = False, model: str | None = None, chart: str | None = Non
     report = diagnose()
     if model:
         report["verify_cost"] = verify_costs(model)
+        report["verify_cost"]["policy"] = policy_lines(report["verify_cost"]["ms"])
         if chart and report["verify_cost"]["breakdown_ms"]:
             write_chart(report["verify_cost"], chart)
         elif chart:

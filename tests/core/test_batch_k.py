@@ -9,9 +9,10 @@ import random
 
 import pytest
 
+from macspec.core.adaptive import AdaptiveK
 from macspec.core.batch_k import Bid, PassPrices, bid, choose_ks, pass_time
 from macspec.core.observed import Observed
-from macspec.core.policy import AdaptiveK, Costs, FixedK
+from macspec.core.policy import Costs, FixedK
 
 
 def chain(rate: float, k: int) -> tuple[float, ...]:

@@ -19,8 +19,12 @@ import macspec
 import macspec.core.target as target_module
 import macspec.core.verify as verify
 from macspec.api.kept_costs import calibrate
+from macspec.core.adaptive import AdaptiveK, Trees
+from macspec.core.adaptive import adaptive as adaptive_policy
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
-from macspec.core.policy import COPY_FACTOR, AdaptiveK, Costs
+from macspec.core.policy import COPY_FACTOR, Costs
+from macspec.core.tally import Decision, Tally
+from macspec.core.tree import TreeShape
 from macspec.cpu.state import STATE
 
 
@@ -410,7 +414,7 @@ def _policy_at(alpha: float, costs: Costs) -> AdaptiveK:
     """A policy that has seen a long history at acceptance alpha on position 1 (and, with no
     data, the later positions borrow it)."""
     policy = AdaptiveK(k_max=8, costs=costs)
-    policy.arm(None).accepts, policy.arm(None).trials = [alpha * 1e9], [1e9]
+    policy.arm(None).positions = [Tally(0.9, alpha * 1e9, 1e9)]
     return policy
 
 
@@ -434,7 +438,7 @@ def test_a_launched_pass_makes_drafts_pay_for_their_own_pass():
     # but not the 2 ids it adds beyond a running pass (0.75 tokens for 1.2 steps).
     assert policy.next_k() >= 2
     assert policy.next_k(launched=True) == 0
-    assert policy.arm(None).skips_left == 0  # no evidence against drafting: no back-off
+    assert policy.backoff(None).left == 0  # no evidence against drafting: no back-off
     # 95%: the drafts pay for their own pass (8 of them: 6.4 more tokens for 8 rows, 1.71).
     assert _policy_at(0.95, costs).next_k(launched=True) == 8
     assert _policy_at(0.95, costs).marginal_speed(1) == pytest.approx(0.95 / 1.0)
@@ -550,3 +554,38 @@ def test_the_registry_maps_each_drafter_name_to_its_class():
         drafters.register(Impostor)
     assert drafters.REGISTRY["ngram"] is NgramDrafter
     assert DRAFTERS["ngram"] == NgramDrafter.summary  # load(drafter=...)'s choices
+
+
+def test_each_choice_says_why():
+    """decide() is where every choice is made: its Decision says what ran and why, with the
+    figures (the expected speed against plain, the acceptance) behind it."""
+    policy = AdaptiveK(k_max=4, costs=SLOW_DRAFT, probe_after=4)
+    assert policy.decide(0) == Decision(0, "nothing to propose")
+    assert policy.decide().reason == "priced to pay"  # the prior: worth a try
+    for _ in range(6):
+        policy.observe(4, 0)
+    lost = policy.decide()
+    assert (lost.k, lost.reason) == (0, "priced below plain") and policy.decision == lost
+    assert lost.detail.startswith("model K=") and "x plain (acceptance 0." in lost.detail
+    waits = [policy.decide() for _ in range(3)]
+    assert [d.detail.split(", ")[-1] for d in waits] == ["probe in 3", "probe in 2", "probe in 1"]
+    assert policy.decide().reason == "probe"
+    launched = _policy_at(0.5, Costs(plain_step=1.0, draft_step=0.0, extra=0.15, verify=CONCAVE))
+    assert launched.decide(launched=True).reason == "a plain pass already running"
+
+
+def test_trees_say_why_they_run():
+    flat = Costs(plain_step=1.0, draft_step=0.01, extra=0.0, verify=((1, 1.0), (16, 1.05)))
+    policy = adaptive_policy(3, flat, tree_nodes=8)
+    assert policy.trees is not None
+    # Before they have run, trees are priced as chains that pay the wider pass: a chain wins
+    # till each shape's first probe, a few model rounds in.
+    first = [policy.decide() for _ in range(Trees.FIRST_PROBE)]
+    assert {d.reason for d in first} == {"priced to pay"}
+    for shape in policy.trees.shapes:
+        probe = policy.decide()
+        assert probe == Decision(shape, "tree probe", "every 32 model rounds")
+        policy.observe_tree(None, [1, 2, 3], 0.5)  # 4 tokens in half a plain step
+    tree = policy.decide()
+    assert isinstance(tree.k, TreeShape) and tree.reason == "tree priced faster"
+    assert tree.detail.endswith("x the best chain's speed")

@@ -6,7 +6,8 @@ import pytest
 
 import macspec
 from macspec.core import Observations
-from macspec.core.policy import AdaptiveK, Costs
+from macspec.core.adaptive import AdaptiveK
+from macspec.core.policy import Costs
 
 # Drafting costs half a plain step: at the default prior (0.6 at position 1) every K loses.
 DEAR_DRAFT = Costs(plain_step=1.0, draft_step=0.5, extra=0.2)
@@ -21,10 +22,10 @@ def test_a_new_generation_starts_from_the_pairs_acceptance():
     assert AdaptiveK(k_max=4, costs=DEAR_DRAFT).next_k() == 0  # no history: the prior loses
     second = AdaptiveK(k_max=4, costs=DEAR_DRAFT, kept=kept)
     assert second.next_k() == 4
-    assert second.arms[None].trials[0] == AdaptiveK.CARRY
-    before = kept[None].trials[0]
+    assert second.arms[None].positions[0].count == AdaptiveK.CARRY
+    before = kept[None].positions[0].count
     second.observe(4, 4)  # its rounds go on to the generation after it
-    assert kept[None].trials[0] == pytest.approx(0.98 * before + 1)
+    assert kept[None].positions[0].count == pytest.approx(0.98 * before + 1)
 
 
 def test_one_poor_answer_does_not_decide_the_next_ones_start():
@@ -62,7 +63,7 @@ def test_a_poorer_history_than_the_prior_is_not_carried():
         first.observe(4, 0)
     second = AdaptiveK(k_max=4, costs=first.costs, kept=kept)
     assert second.next_k() >= 1  # the prior's start: cheap drafts are tried
-    assert second.arms[None].trials == []
+    assert second.arms[None].positions == []
 
 
 def test_a_fallback_is_not_carried_into_the_next_generation():
@@ -71,10 +72,10 @@ def test_a_fallback_is_not_carried_into_the_next_generation():
     first.next_k()
     for _ in range(10):
         first.observe(4, 4)
-    first.arms[None].skips_left, first.arms[None].backoff = 20, 32  # as after losing probes
+    first.backoff(None).left, first.backoff(None).wait = 20, 32  # as after losing probes
     second = AdaptiveK(k_max=4, costs=DEAR_DRAFT, kept=kept)
     assert second.next_k() == 4
-    assert second.arms[None].backoff == second.probe_after
+    assert second.backoff(None).wait == second.probe_after
 
 
 def test_generations_of_one_pair_keep_its_acceptance_and_equal_plain_decoding(pair, monkeypatch):
@@ -85,4 +86,4 @@ def test_generations_of_one_pair_keep_its_acceptance_and_equal_plain_decoding(pa
         r = macspec.generate(pair, prompt, max_tokens=40, num_draft=4)
         assert r.tokens == plain.tokens
         made.append(pair.observations.acceptance.get(None))
-    assert made[0] is not None and made[0].trials  # the draft's rounds were kept
+    assert made[0] is not None and made[0].positions  # the draft's rounds were kept

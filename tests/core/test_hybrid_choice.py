@@ -22,9 +22,11 @@ import macspec
 import macspec.api.stream as api
 import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
-from macspec.core.drafters import HybridDrafter, NgramDrafter
+from macspec.core.adaptive import AdaptiveK, adaptive
+from macspec.core.drafters import COPY_PRIORS, HybridDrafter, NgramDrafter
 from macspec.core.drafters.base import Proposal
-from macspec.core.policy import COPY_PRIORS, AdaptiveK, Costs, adaptive
+from macspec.core.policy import Costs
+from macspec.core.tally import Tally
 
 # Fixed costs (seconds): reproducible choices. A draft token costs a twentieth of a step.
 COSTS = Costs(plain_step=1.0, draft_step=0.05, extra=0.05)
@@ -32,7 +34,7 @@ COSTS = Costs(plain_step=1.0, draft_step=0.05, extra=0.05)
 
 def _at(policy: AdaptiveK, label, alpha: float) -> AdaptiveK:
     """`policy` after a long history of `label`'s proposals accepted at rate alpha."""
-    policy.arm(label).accepts, policy.arm(label).trials = [alpha * 1e9], [1e9]
+    policy.arm(label).positions = [Tally(0.9, alpha * 1e9, 1e9)]
     return policy
 
 
@@ -60,10 +62,10 @@ def test_a_short_copy_is_picked_where_the_model_loses_and_the_model_where_it_pay
 
 def test_a_model_passed_over_while_falling_back_counts_the_round_in_its_wait():
     policy = _at(_policy(), None, 0.05)
-    policy.arm(None).skips_left = 2
+    policy.backoff(None).left = 2
     assert [policy.pick((None, 2)) for _ in range(2)] == [2, 2]
     # Its plain stretch is over: its probe is due, and the model drafts it.
-    assert policy.arm(None).probing and policy.pick((None, 2)) is None
+    assert policy.backoff(None).due and policy.pick((None, 2)) is None
     assert policy.next_k(None) >= 1
 
 

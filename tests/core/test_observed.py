@@ -2,6 +2,8 @@
 plain decoding or a cheaper K where speculation loses, probes, returns where it pays, and never
 moves the output distribution. Round times are injected: no test here depends on a clock."""
 
+import logging
+
 import pytest
 from support.exactness import (
     DEPTH,
@@ -18,7 +20,8 @@ import macspec
 import macspec.api.stream as api
 import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
-from macspec.core.observed import Tally
+from macspec.core.observed import TIME_DECAY
+from macspec.core.tally import Decision, Tally
 
 
 def play(policy: Observed, rounds: int, seconds, tokens) -> list[int]:
@@ -41,7 +44,7 @@ def test_falls_back_to_plain_when_verification_loses_and_returns_when_it_pays():
     # Verification got cheap (a faster kernel, a copy the draft knows): 0.4 s a token.
     cheap = play(policy, 40, lambda k: 2.0, lambda k: 5)
     assert cheap == [0] * 32 + [4] * 8  # the next probe, after 32 steps, wins: it stays
-    assert policy.seen.waits[None] == Observed.FIRST_WAIT
+    assert policy.backoff(None).wait == Observed.FIRST_WAIT
 
 
 def test_probes_wait_at_most_max_wait_steps():
@@ -55,8 +58,8 @@ def test_probes_wait_at_most_max_wait_steps():
 def test_a_cheaper_k_that_pays_is_run_in_place_of_a_losing_one():
     seen = Observations()
     seen.plain.add(1.0, 1)
-    seen.arms[(None, 1)] = Tally(seconds=1.2, tokens=2.0, rounds=1.0)  # 0.6 s a token: wins
-    seen.arms[(None, 2)] = Tally(seconds=1.4, tokens=1.5, rounds=1.0)  # 0.93 s: wins, less
+    seen.arms[(None, 1)] = Tally(TIME_DECAY, 1.2, 2.0, rounds=1.0)  # 0.6 s a token: wins
+    seen.arms[(None, 2)] = Tally(TIME_DECAY, 1.4, 1.5, rounds=1.0)  # 0.93 s: wins, less
     policy = Observed(Proposes(4), seen)
     for _ in range(Observed.FIRST_LOOK):  # K=4 never run: a first look
         assert policy.next_k() == 4
@@ -68,8 +71,8 @@ def test_a_cheaper_k_that_pays_is_run_in_place_of_a_losing_one():
 def test_a_proposed_k_that_pays_runs_though_a_cheaper_arm_looked_faster():
     seen = Observations()
     seen.plain.add(1.0, 1)
-    seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0, runs=5)  # 0.5 s a token
-    seen.arms[(None, 4)] = Tally(seconds=1.6, tokens=2.0, rounds=1.0, runs=5)  # 0.8 s: pays
+    seen.arms[(None, 1)] = Tally(TIME_DECAY, 1.0, 2.0, rounds=1.0, runs=5)  # 0.5 s a token
+    seen.arms[(None, 4)] = Tally(TIME_DECAY, 1.6, 2.0, rounds=1.0, runs=5)  # 0.8 s: pays
     policy = Observed(Proposes(4), seen)
     assert [policy.next_k() for _ in range(3)] == [4, 4, 4]
 
@@ -77,8 +80,8 @@ def test_a_proposed_k_that_pays_runs_though_a_cheaper_arm_looked_faster():
 def test_a_cheaper_k_in_place_of_a_losing_one_gives_way_to_a_probe():
     seen = Observations()
     seen.plain.add(1.0, 1)
-    seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0, runs=5)
-    seen.arms[(None, 4)] = Tally(seconds=4.0, tokens=2.0, rounds=1.0, runs=5)  # 2 s: loses
+    seen.arms[(None, 1)] = Tally(TIME_DECAY, 1.0, 2.0, rounds=1.0, runs=5)
+    seen.arms[(None, 4)] = Tally(TIME_DECAY, 4.0, 2.0, rounds=1.0, runs=5)  # 2 s: loses
     policy = Observed(Proposes(4), seen)
     # K=1 stands in, and after FIRST_WAIT such rounds K=4 is timed again (its tally may be old).
     chosen = play(policy, Observed.FIRST_WAIT + 1, lambda k: 1.0 if k == 1 else 0.8, lambda k: 2)
@@ -91,7 +94,7 @@ def test_a_new_generation_after_a_poor_one_probes_within_first_wait():
     poor = Observed(Proposes(2), seen)
     poor.observe_time(0, 1, 1.0)
     play(poor, 300, lambda k: 3.0, lambda k: 1)  # losing probes: waits at MAX_WAIT
-    assert seen.waits[None] == Observed.MAX_WAIT
+    assert poor.backoff(None).wait == Observed.MAX_WAIT
     # The next prompt's draft pays: its generation probes as a first loss would.
     chosen = play(Observed(Proposes(2), seen), Observed.FIRST_WAIT + 2, lambda k: 0.5, lambda k: 3)
     assert chosen == [0] * Observed.FIRST_WAIT + [2, 2]
@@ -127,6 +130,26 @@ def test_a_zero_proposal_stays_a_plain_step():
     assert policy.max_k == 3
 
 
+def test_a_vetoed_round_says_why_and_the_generation_counts_the_reasons(caplog):
+    policy = Observed(Proposes(2))
+    policy.observe_time(0, 1, 1.0)
+    with caplog.at_level(logging.DEBUG, logger="macspec.core"):
+        chosen = play(policy, 2 + Observed.FIRST_WAIT + 1, lambda k: 3.0, lambda k: 1)
+    assert chosen == [2, 2] + [0] * Observed.FIRST_WAIT + [2]
+    assert policy.decision == Decision(2, "probe of a slower arm", policy.decision.detail)
+    assert policy.decision.detail == "model K=2 took 3.00x plain's time a token over 2 rounds"
+    assert policy.reasons.plain_steps() == (("slower than plain here", Observed.FIRST_WAIT),)
+    # One line where the decision changed (to drafting, to plain steps, to drafting), not one
+    # a round.
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy: ")]
+    assert lines == [
+        "policy: K=2: fixed",
+        "policy: plain: slower than plain here (model K=2 took 3.00x plain's time a token over 2"
+        f" rounds, probe in {Observed.FIRST_WAIT})",
+        f"policy: K=2: probe of a slower arm ({policy.decision.detail})",
+    ]
+
+
 # ---------------------------------------------------------------- exactness while switching
 
 
@@ -147,9 +170,9 @@ def switching(monkeypatch, cheaper: bool) -> list[Observed]:
         seen = Observations()
         seen.plain.add(1.0, 1)
         # K=num_draft has had its first look and kept up with plain: it runs until it loses.
-        seen.arms[(None, opts.num_draft)] = Tally(1.0, 1.0, 1.0, runs=Observed.FIRST_LOOK)
+        seen.arms[(None, opts.num_draft)] = Tally(TIME_DECAY, 1.0, 1.0, 1.0, Observed.FIRST_LOOK)
         if cheaper:
-            seen.arms[(None, 1)] = Tally(seconds=1.0, tokens=2.0, rounds=1.0)
+            seen.arms[(None, 1)] = Tally(TIME_DECAY, 1.0, 2.0, rounds=1.0)
         made.append(Injected(FixedK(opts.num_draft), seen))
         return made[-1]
 
@@ -204,3 +227,14 @@ def test_stats_count_rounds_and_tokens_per_arm(pair, monkeypatch):
     assert s.arms[0][:2] == ("plain", 0)
     assert {name for name, k, _, _ in s.arms if k} <= {"model", "ngram"}
     assert s.arms_line().startswith(f"plain {s.arms[0][2]}, ")
+
+
+def test_stats_say_why_the_plain_steps_were_plain(pair, monkeypatch):
+    switching(monkeypatch, cheaper=False)
+    r = macspec.generate(pair, "Switch", max_tokens=60, num_draft=4)
+    reasons = dict(r.stats.plain_reasons)
+    assert reasons["slower than plain here"] > 0
+    assert sum(reasons.values()) <= r.stats.arms[0][2]  # (the first token's step has none)
+    assert f"slower than plain here {reasons['slower than plain here']}" in r.stats.plain_line()
+    fixed = macspec.generate(pair, "Switch", max_tokens=20, num_draft=4, adaptive=False)
+    assert fixed.stats.plain_reasons == () and fixed.stats.plain_line() == ""

@@ -180,22 +180,23 @@ def test_the_test_detects_a_broken_multi_candidate_rule(small_pair, monkeypatch)
 def test_tree_nodes_option_fixed_and_adaptive(pair, monkeypatch):
     """tree_nodes=N drafts trees of depth K (fixed), or lets the policy weigh them against
     chains (adaptive: with cheap wide passes, as on a GPU, it drafts trees)."""
+    from macspec.core.adaptive import Trees
     from macspec.core.observed import Observed
-    from macspec.core.policy import AdaptiveTree, Costs
+    from macspec.core.policy import Costs
 
     flat = Costs(plain_step=1.0, draft_step=0.01, extra=0.0, verify=((1, 1.0), (16, 1.05)))
     monkeypatch.setattr(pair, "costs", flat)
     made = []
-    real = AdaptiveTree.__post_init__
+    real = Trees.__post_init__
 
     def spy(self):
         made.append(self)
         real(self)
 
-    monkeypatch.setattr(AdaptiveTree, "__post_init__", spy)
+    monkeypatch.setattr(Trees, "__post_init__", spy)
     # The observed check would weigh this CPU's real round times against the flat costs given
     # here; the costs alone choose, as on a machine whose passes are that cheap.
-    monkeypatch.setattr(Observed, "choose", lambda self, label, k: k)
+    monkeypatch.setattr(Observed, "choose", lambda self, label, priced: priced)
     for prompt in ["Once upon", "The cat sat on the"]:
         plain = macspec.generate(pair, prompt, max_tokens=40, speculative=False)
         fixed = macspec.generate(pair, prompt, max_tokens=40, tree_nodes=6, adaptive=False)

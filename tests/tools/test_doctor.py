@@ -185,8 +185,10 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     assert all(ms > 0 for ms in costs["ms"].values())
     assert list(costs["split_ms"]) == ["1", "2", "3", "5", "8"]
     assert all(t["layers"] > 0 and t["head"] > 0 for t in costs["split_ms"].values())
+    assert len(costs["policy"]) == 3 and costs["policy"][0].startswith("at 30%: ")
     assert main(["doctor", "--model", str(model)]) == 0
-    assert "layers + head  1: " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layers + head  1: " in out and f"policy         {costs['policy'][-1][:12]}" in out
     # Where one pass goes: each part timed; the rest is what the pass built whole took beyond
     # them, and the overlap what evaluating while building saved against it (both clamped at 0).
     names = ("build", "layer products", "head", "rest", "sample", "overlap saves", "built whole")
@@ -284,3 +286,14 @@ def test_a_failed_native_build_leaves_mlx_products_and_says_why(monkeypatch, tmp
 
     assert native_products().startswith("off: RuntimeError: false could not build nanobind.o")
     assert not list((tmp_path / "native").rglob("*.so"))
+
+
+def test_doctor_says_what_the_policy_would_choose_with_the_passes_it_timed():
+    from macspec.tools.doctor import policy_lines
+
+    # Passes over 2-8 ids barely dearer than one: free drafts pay even at 30%, up to 7 of them.
+    cheap = policy_lines({"1": 10.0, "2": 10.5, "3": 11.0, "5": 12.0, "8": 13.0})
+    assert cheap[0].startswith("at 30%: K=") and cheap[-1].startswith("at 90%: K=7: priced to pay")
+    # Each id fed costs a whole step (a CPU whose passes grow with their rows): never.
+    dear = policy_lines({"1": 10.0, "2": 20.0, "3": 30.0, "5": 50.0, "8": 80.0})
+    assert all(" plain: priced below plain (copy of a 16-id match K=" in line for line in dear)
