@@ -188,7 +188,8 @@ def test_doctor_times_verification_passes_of_a_model(tmp_path, capsys):
     assert len(costs["policy"]) == 3 and costs["policy"][0].startswith("at 30%: ")
     assert main(["doctor", "--model", str(model)]) == 0
     out = capsys.readouterr().out
-    assert "layers + head  1: " in out and f"policy         {costs['policy'][-1][:12]}" in out
+    # (each run's choice follows its own timings: only the line is compared)
+    assert "layers + head  1: " in out and "policy         at 90%: " in out
     # Where one pass goes: each part timed; the rest is what the pass built whole took beyond
     # them, and the overlap what evaluating while building saved against it (both clamped at 0).
     names = ("build", "layer products", "head", "rest", "sample", "overlap saves", "built whole")
