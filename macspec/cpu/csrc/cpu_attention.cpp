@@ -219,6 +219,7 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
     const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
     const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
     thread_local std::vector<float> scores;
+    const float by = scale;  // a copy the compiler keeps in a register (stores to scores may alias)
     for (int i = b * per_block; i < std::min(L, (b + 1) * per_block); i++) {
       const int seen = causal ? T - L + i + 1 : T;
       const int n = std::max(0, std::min(seen, t0 + KEYS) - t0);
@@ -245,9 +246,22 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
       for (int j = 0; j < rep; j++) {
         float* sj = ss[j];
         float top = -INFINITY;
-        for (int t = 0; t < n; t++) {
-          sj[t] = mi && !mi[t] ? -INFINITY : sj[t] * scale;
-          top = std::max(top, sj[t]);
+        if (mi) {  // a tree's rows: the keys the mask hides score -inf
+          for (int t = 0; t < n; t++) {
+            sj[t] = mi[t] ? sj[t] * by : -INFINITY;
+            top = std::max(top, sj[t]);
+          }
+        } else {  // 8 at a time (the padding is -inf): the same products, the same largest
+          f8 tops = f8{} - INFINITY;
+          for (int t = 0; t < padded; t += 8) {
+            const f8 x = load8(sj + t) * by;
+            store8(sj + t, x);
+            tops = tops > x ? tops : x;
+          }
+          std::fill(sj + n, sj + padded, -INFINITY);  // still -inf, whatever the scale's sign
+          for (int l = 0; l < 8; l++) {
+            top = std::max(top, tops[l]);
+          }
         }
         out[j * stride] = top;
         std::fill(accs[j], accs[j] + D, 0.0f);
