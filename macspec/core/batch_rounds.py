@@ -31,7 +31,7 @@ from .batch import can_share, shared_pass
 from .batch_k import Bid, PassPrices, bid, choose_ks
 from .caches import Hit, PromptCache
 from .constraint import Constraint
-from .drafters.base import DistFn, Drafter
+from .drafters.base import Distribution, Drafter
 from .loop import (
     Round,
     Timing,
@@ -190,7 +190,7 @@ def _shared_round(
     policy: Policy,
     last: int,
     k: int,
-    dist: DistFn,
+    dist: Distribution,
     key: mx.array,
 ) -> Generator[Bid | Feed, Any, _Verdict]:
     """verify.speculative_round (k > 0) or verify.plain_step (k == 0) with the target's pass
@@ -212,9 +212,9 @@ def _shared_round(
         t1 = perf_counter()  # drafted (lazily: the ids may still compute within the pass)
         logits, target.hidden = yield Feed(target.cache, fed, target.keep_hidden)
         if tokens is None:  # a plain step: the target samples alone, as plain_step
-            token = sample(dist(logits, None, 0), accept_key).item()
+            token = sample(dist.probs(logits, None, 0), accept_key).item()
         else:
-            p = dist(logits, tokens, 0)
+            p = dist.probs(logits, tokens, 0)
             q = proposal.probs if proposal.probs is not None else one_hot(tokens, p.shape[1])
             n_arr, token_arr = accept(p, q, tokens, accept_key)
             mx.eval(n_arr, token_arr)

@@ -20,7 +20,7 @@ from ..base.errors import OptionError
 from . import memory
 from .caches import Hit, PromptCache
 from .constraint import Constraint
-from .drafters.base import DistFn, Drafter, catch_up_time
+from .drafters.base import Distribution, Drafter, catch_up_time
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import FixedK, Label, Policy
 from .sampling import SamplingOptions
@@ -255,7 +255,7 @@ def _observed_round(
     timing: Timing,
     last: int,
     k: int | TreeShape,
-    dist: DistFn,
+    dist: Distribution,
     key: mx.array,
     t0: float,
     launch: bool,
@@ -275,7 +275,7 @@ def _verify(
     timing: Timing,
     last: int,
     k: int | TreeShape,
-    dist: DistFn,
+    dist: Distribution,
     key: mx.array,
     t0: float,
     launch: bool,
@@ -334,7 +334,7 @@ def _logprobs(
             repetition_penalty=opts.repetition_penalty,
             repetition_context=opts.repetition_context,
         )
-        p = make_dist(own, history, constraint)(logits[: len(emitted)], drafts, 0)
+        p = make_dist(own, history, constraint).probs(logits[: len(emitted)], drafts, 0)
     return token_logprobs(p, emitted, top)
 
 

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..base.errors import CacheError
 from . import caches, hooks
-from .sampling import DistFn, sample
+from .sampling import Distribution, sample
 from .target import Target
 
 
@@ -245,15 +245,15 @@ def prune(tree: Tree, n: int) -> Tree:
     )
 
 
-def row_distributions(dist: DistFn, logits: mx.array, tree: Tree) -> mx.array:
+def row_distributions(dist: Distribution, logits: mx.array, tree: Tree) -> mx.array:
     """The target's sampling distribution at the root and every node: each row follows its own
     path (the repetition penalty sees the path's ids, not the other branches')."""
-    if not getattr(dist, "needs_history", True):
-        return dist(logits, None, 0)
-    rows = [dist(logits[:1], None, 0)]
+    if not dist.needs_history:
+        return dist.probs(logits, None, 0)
+    rows = [dist.probs(logits[:1], None, 0)]
     for i in range(len(tree)):
         path = [tree.tokens[n] for n in tree.path(i)]
-        rows.append(dist(logits[i + 1 : i + 2], mx.array(path, dtype=mx.int32), len(path)))
+        rows.append(dist.probs(logits[i + 1 : i + 2], mx.array(path, dtype=mx.int32), len(path)))
     return mx.concatenate(rows)
 
 
@@ -272,7 +272,12 @@ class TreeDrafter(Protocol):
 
 
 def tree_round(
-    target: Target, drafter: TreeDrafter, last: int, shape: TreeShape, dist: DistFn, key: mx.array
+    target: Target,
+    drafter: TreeDrafter,
+    last: int,
+    shape: TreeShape,
+    dist: Distribution,
+    key: mx.array,
 ) -> tuple[Tree, list[int], int, float, float]:
     """Draft a tree, verify it in one target pass, walk it. Returns (tree, accepted nodes, the
     target's token, draft seconds, verify seconds). Both caches end holding exactly the

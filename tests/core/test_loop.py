@@ -218,7 +218,7 @@ def test_distribution_over_a_drafter_vocabulary_equals_the_full_one(options):
     columns = mx.array([ids.index(i) if i in ids else len(ids) for i in range(vocab)])
     dist = make_dist(options, [3, 7, 5, 2, 9])  # history with ids in and out of the drafter's
     extra = mx.array([8])
-    want = dist(full, extra, 0)
-    got = dist(logits_small, extra, 0, columns)
+    want = dist.probs(full, extra, 0)
+    got = dist.probs(logits_small, extra, 0, columns)
     assert mx.allclose(got, want[:, mx.array(ids)], atol=1e-6).item()
     assert mx.allclose(want.sum(axis=1), mx.ones(2), atol=1e-5).item()

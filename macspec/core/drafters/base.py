@@ -11,7 +11,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..sampling import DistFn
+from ..sampling import Distribution
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Drafter(Protocol):
         acceptance statistics: the n-gram match length (0 = nothing to propose), or None for a
         draft model."""
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         """Propose up to k next tokens (lazily evaluated arrays are fine)."""
 
     def commit(

@@ -29,7 +29,7 @@ from ...base.errors import CacheError, ModelError
 from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
-from .base import DistFn, Proposal
+from .base import Distribution, Proposal
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early: a doubtful token is rarely accepted and every later one depends on it.
@@ -275,7 +275,7 @@ class EagleDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         self._offset, self._proposed = self.cache[0].offset, True
         self._fed = len(self.pending_ids)
         if not self.pending_ids:  # cannot happen after the loop's first plain step
@@ -290,7 +290,7 @@ class EagleDrafter:
             # the layer on a CPU.
             logits = self.parts.logits(self.draft.decode(out)[0])
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, i, self.parts.lookup)
+            q = dist.probs(logits, drafted, i, self.parts.lookup)
             index = sample(q, subkey)
             token = self.parts.vocab_ids[index]
             tokens.append(token)

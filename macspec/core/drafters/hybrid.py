@@ -9,7 +9,7 @@ import mlx.core as mx
 from ...base.errors import OptionError
 from .. import tree
 from ..caches import DraftState
-from .base import DistFn, Drafter, Proposal, catch_up_time
+from .base import Distribution, Drafter, Proposal, catch_up_time
 from .ngram import NgramDrafter
 
 
@@ -72,7 +72,7 @@ class HybridDrafter:
             return self._choice[1]
         return self.labels()[0]
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         if self.label() is not None:  # context and past rounds only (choose())
             self.used = self.ngram
             return Proposal(mx.array(self.ngram.lookup(k)[0], dtype=mx.int32), None)

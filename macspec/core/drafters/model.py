@@ -12,7 +12,7 @@ from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import hidden_states
-from .base import DistFn, Proposal
+from .base import Distribution, Proposal
 from .pruned import PrunedHead
 
 
@@ -85,11 +85,11 @@ class ModelDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         # No host sync between draft steps (but adaptive length's): each token feeds the next.
         self._catch_up()
         self._base = caches.length(self.cache)
-        greedy = getattr(dist, "greedy", False)
+        greedy = dist.greedy
         columns = () if self.head is None else (self.head.lookup,)
         tokens, probs = [], []
         inputs = mx.array(self.pending, dtype=mx.int32)
@@ -97,7 +97,7 @@ class ModelDrafter:
             with caches.forward(self.cache, inputs.size, rewindable=True):
                 logits = self._logits(inputs)
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, i, *columns)
+            q = dist.probs(logits, drafted, i, *columns)
             # Greedy q is the one-hot of its argmax: the draft is that id, q a point mass.
             index = mx.argmax(q, axis=-1).astype(mx.uint32) if greedy else sample(q, subkey)
             token = index if self.head is None else self.head.ids[index]

@@ -30,7 +30,7 @@ from .. import caches, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import language_model, output_head
-from .base import DistFn, Proposal
+from .base import Distribution, Proposal
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early (as the EAGLE drafter: a doubtful token is rarely accepted).
@@ -103,7 +103,7 @@ class MtpDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         n_ctx = len(self.ids)
         if self.pend[0] is None:  # cannot happen after the loop's first plain step
             raise ModelError("the MTP heads have no target hidden state to draft from")
@@ -121,7 +121,7 @@ class MtpDrafter:
             last, last_j = out[-1:], j
             logits = self._logits(j, last)
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, d - 1)
+            q = dist.probs(logits, drafted, d - 1)
             token = sample(q, subkey)
             tokens.append(token)
             probs.append(q)

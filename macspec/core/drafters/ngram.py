@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import DistFn, Proposal
+from .base import Distribution, Proposal
 
 # Labels of copied proposals: the length of the context's match, in these buckets (a bucket
 # is named by its shortest length). Longer matches are followed far more often, so each bucket
@@ -89,7 +89,7 @@ class NgramDrafter:
     def label(self) -> int:
         return match_label(self.lookup(1)[1])
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         tokens, _ = self.lookup(k)
         return Proposal(mx.array(tokens, dtype=mx.int32), None)
 
