@@ -20,7 +20,7 @@ from ..base.errors import OptionError
 from . import memory
 from .caches import Hit, PromptCache
 from .constraint import Constraint
-from .drafters.base import Distribution, Drafter, catch_up_time
+from .drafters.base import Distribution, Drafter
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import FixedK, Label, Policy
 from .sampling import SamplingOptions
@@ -153,7 +153,9 @@ def _emit(
 def _observe(policy: Policy, drafter: Drafter | None, k: int, tokens: int, seconds: float) -> None:
     """Tell the policy a round's time, less the drafter's catch-up after plain steps (the
     stretch before the round, not the round's own cost)."""
-    policy.observe_time(k, tokens, max(0.0, seconds - catch_up_time(drafter)))
+    policy.observe_time(
+        k, tokens, max(0.0, seconds - (drafter.take_catch_up() if drafter else 0.0))
+    )
 
 
 def _close(
@@ -218,12 +220,8 @@ def _label(policy: Policy, drafter: Drafter, launched: bool, position: int) -> L
     """The label of the drafter's next proposal: where it offers several (a hybrid's short
     match: its model or a copy) and the policy can weigh them, the policy's pick, which the
     drafter then drafts (from the context and past rounds only: exact)."""
-    offered = getattr(drafter, "labels", None)
-    pick = getattr(policy, "pick", None)
-    if offered is None or pick is None:
-        return drafter.label()
-    labels = offered()
-    label = labels[0] if len(labels) == 1 else pick(labels, launched, position)
+    labels = drafter.labels()
+    label = labels[0] if len(labels) == 1 else policy.pick(labels, launched, position)
     drafter.choose(label)
     return label
 
@@ -245,7 +243,7 @@ class _Verdict:
 
 def _drafter_name(drafter: Drafter) -> str:
     """What drafted the last proposal (a hybrid's copy or its model)."""
-    return getattr(drafter, "used", drafter).name
+    return drafter.drafted_by()
 
 
 def _observed_round(

@@ -17,7 +17,7 @@ from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
 from .loop import Round, generate_rounds
-from .policy import Costs
+from .policy import Costs, Policy
 from .sampling import SamplingOptions
 from .sharded import guard, make_target
 
@@ -99,7 +99,7 @@ def _draft_step(runs: _Runs, drafter: Drafter, k: int) -> float:
     return median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
 
 
-class _Schedule:
+class _Schedule(Policy):
     """The policy calibrate() decodes with: the given K per round, in order, then plain steps."""
 
     def __init__(self, ks: list[int]) -> None:
@@ -119,7 +119,7 @@ class _Schedule:
         return bool(self.ks) and self.ks[0] == 0
 
 
-class _Filler:
+class _Filler(Drafter):
     """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
 
     name = "filler"
@@ -129,7 +129,7 @@ class _Filler:
     def __init__(self, drafter: Drafter) -> None:
         # The target runs as it will with the real drafter (hidden states, tapped layers).
         self.needs_hidden = drafter.needs_hidden
-        self.feature_layers = getattr(drafter, "feature_layers", ())
+        self.feature_layers = drafter.feature_layers
 
     def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
         pass

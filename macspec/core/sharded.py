@@ -368,8 +368,8 @@ def leader_target(pair: LoadedPair, keep_hidden: bool, taps: tuple[int, ...] = (
 
 def make_target(pair: LoadedPair, drafter: Drafter | None) -> Target:
     """The target a generation runs: local, or rank 0's lead of a sharded one."""
-    keep_hidden = getattr(drafter, "needs_hidden", False)
-    taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
+    keep_hidden = drafter is not None and drafter.needs_hidden
+    taps = tuple(drafter.feature_layers) if drafter is not None else ()  # a feature draft reads
     if pair.group is None:
         return Target(pair.target, pair.vocab_size, keep_hidden, taps, pair.target_path.name)
     return leader_target(pair, keep_hidden, taps)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,9 @@ from ..base.errors import CacheError
 from . import caches, hooks
 from .sampling import Distribution, sample
 from .target import Target
+
+if TYPE_CHECKING:  # (the drafters import this module: typing alone here)
+    from .drafters.base import Drafter
 
 
 @dataclass
@@ -257,23 +260,9 @@ def row_distributions(dist: Distribution, logits: mx.array, tree: Tree) -> mx.ar
     return mx.concatenate(rows)
 
 
-class TreeDrafter(Protocol):
-    """What a drafter adds to draft trees (a draft model and the EAGLE draft do)."""
-
-    def propose_tree(self, shape: TreeShape) -> Tree: ...
-
-    def commit_tree(
-        self, t: Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
-    ) -> None:
-        """After verification: the accepted nodes, then `emitted` (their ids and the target's
-        token) extend the context; `hidden`: the target's hidden states at the kept rows."""
-
-    def abort(self, k: int) -> None: ...
-
-
 def tree_round(
     target: Target,
-    drafter: TreeDrafter,
+    drafter: Drafter,
     last: int,
     shape: TreeShape,
     dist: Distribution,

@@ -23,7 +23,7 @@ import macspec.api.stream as api
 import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
 from macspec.core.drafters import HybridDrafter, NgramDrafter
-from macspec.core.drafters.base import Proposal
+from macspec.core.drafters.base import Drafter, Proposal
 from macspec.core.policy import COPY_PRIORS, AdaptiveK, Costs, adaptive
 
 # Fixed costs (seconds): reproducible choices. A draft token costs a twentieth of a step.
@@ -95,7 +95,7 @@ def test_without_an_inner_pick_the_default_label_runs():
 # ---------------------------------------------------------------- the hybrid drafter
 
 
-class Fixed:
+class Fixed(Drafter):
     """A model drafter stand-in that always proposes id 9."""
 
     name, summary, needs_hidden = "model", "id 9", False

@@ -14,6 +14,7 @@ from macspec.api import stream as api
 from macspec.base.errors import CacheError
 from macspec.core import caches
 from macspec.core.loop import Timing, generate_rounds
+from macspec.core.policy import Policy
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 
@@ -145,7 +146,7 @@ def test_a_sharded_target_is_fed_ids_it_can_send():
     assert Target.takes_lazy_ids and not LeaderTarget.takes_lazy_ids
 
 
-class Alternate:
+class Alternate(Policy):
     """Plain, then k drafts, in turn, each plain step launching the pass the speculative round
     then starts from."""
 

@@ -28,7 +28,7 @@ import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -39,6 +39,9 @@ from ...base.errors import CacheError
 from .recurrent import RecurrentCache
 from .rewind import TRIMMABLE, layers, length
 from .window import WindowKVCache
+
+if TYPE_CHECKING:  # (the drafters import the caches: typing alone here)
+    from ..drafters.base import Drafter
 
 MIN_STEP = 32  # sliding-window rings keep this many spare positions while a prompt cache is on
 DEFAULT_BYTES = 1 << 30
@@ -221,7 +224,7 @@ class PromptCache:
         with self._lock:
             self._entries.clear()
 
-    def restore(self, prompt: list[int], drafter: Any, max_step: int) -> Hit | None:
+    def restore(self, prompt: list[int], drafter: Drafter | None, max_step: int) -> Hit | None:
         """Copies of the states that let `prompt` skip the most ids (at most all but its last,
         which the first step reads), or None: prefill it all."""
         kind = _kind(drafter)
@@ -248,7 +251,7 @@ class PromptCache:
                     hit.draft = _restore_draft(e.draft, hit.draft_length)
         return hit
 
-    def save(self, ids: list[int], cache: list, drafter: Any) -> None:
+    def save(self, ids: list[int], cache: list, drafter: Drafter | None) -> None:
         """Keep the states after `ids` (the target's cache holds a prefix of them) as an entry,
         dropping the entries it makes useless (a prefix it can restore as well) and the least
         recently used ones beyond the caps."""
@@ -286,13 +289,11 @@ class PromptCache:
         return any(not isinstance(c, TRIMMABLE) for _, c in layers(cache))
 
 
-def _kind(drafter: Any) -> str | None | bool:
+def _kind(drafter: Drafter | None) -> str | None | bool:
     """The kind of state a drafter keeps (None: no drafter, or one rebuilt from the ids);
     False for a drafter that cannot resume from a kept state (no prompt cache then)."""
     if drafter is None:
         return None
-    if not hasattr(drafter, "resume"):
-        return False
     return drafter.state_kind
 
 

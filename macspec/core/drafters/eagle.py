@@ -29,7 +29,7 @@ from ...base.errors import CacheError, ModelError
 from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
-from .base import Distribution, Proposal
+from .base import Distribution, Drafter, Proposal
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early: a doubtful token is rarely accepted and every later one depends on it.
@@ -174,7 +174,7 @@ class TargetParts:
         return features @ self.head.T
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafter protocol (drafters/base.py) over an EagleDraft.
 
     The draft cache holds positions whose input pair used a real target feature; `pending` holds

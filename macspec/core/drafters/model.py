@@ -12,11 +12,11 @@ from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import hidden_states
-from .base import Distribution, Proposal
+from .base import Distribution, Drafter, Proposal
 from .pruned import PrunedHead
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A small autoregressive model with its own cache.
 
     The cache always holds the context except `pending`, the ids not yet fed: normally the

@@ -30,7 +30,7 @@ from .. import caches, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import language_model, output_head
-from .base import Distribution, Proposal
+from .base import Distribution, Drafter, Proposal
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early (as the EAGLE drafter: a doubtful token is rarely accepted).
@@ -39,7 +39,7 @@ STOP_BELOW = 0.3
 PILE = 64
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Drafter protocol (drafters/base.py) over the target's MTP heads (models/mtp.py MtpHead:
     head(hidden, embeds, mask, cache) -> out; out_norm; optional own embed / head)."""
 
