@@ -2,8 +2,9 @@
 mlx, mlx-lm, numpy and the project's errors and switches, and reads no file and prints nothing.
 
     loop.py       the generation loop: one Round per target pass (generate_rounds)
+    round.py      one round, written once: draft, verify, accept, commit or undo
     target.py     the target's passes, hidden states and rewinds
-    verify.py     the acceptance rule, a speculative round, a plain step
+    verify.py     the acceptance rule, a plain step's draw
     sampling.py   one distribution for draft and target
     tree.py       token trees: drafted by level, verified in one pass, walked exactly
     policy.py     fixed and adaptive K (and trees), priced by measured costs
@@ -31,7 +32,7 @@ from .drafters import (
     register,
 )
 from .loaded import LoadedPair
-from .loop import Round, Timing, generate_rounds
+from .loop import Engine, Limits, Round, Sampling, Timing, generate_rounds
 from .measure import calibrate
 from .observed import Observations, Observed
 from .policy import AdaptiveK, AdaptiveTree, Costs, FixedK, FixedTree, adaptive
@@ -45,9 +46,11 @@ __all__ = [
     "AdaptiveTree",
     "Costs",
     "Drafter",
+    "Engine",
     "FixedK",
     "FixedTree",
     "HybridDrafter",
+    "Limits",
     "LoadedPair",
     "ModelDrafter",
     "NgramDrafter",
@@ -55,6 +58,7 @@ __all__ = [
     "Observed",
     "PromptCache",
     "Round",
+    "Sampling",
     "SamplingOptions",
     "Timing",
     "TreeShape",

@@ -16,7 +16,7 @@ from .caches import PromptCache
 from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
-from .loop import Round, generate_rounds
+from .loop import Engine, Limits, Round, Sampling, generate_rounds
 from .policy import Costs, Policy
 from .sampling import SamplingOptions
 from .sharded import guard, make_target
@@ -73,19 +73,12 @@ class _Runs:
     def __call__(self, drafter: Drafter | None, ks: list[int]) -> list[Round]:
         """The first (plain) step, then one round per entry of ks (0 = plain)."""
         max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
+        target = make_target(self.pair, drafter)
+        engine = Engine(target, drafter, _Schedule(ks), self.pair.timing, self.kept)
+        prompt = self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))]
+        limits = Limits(max_tokens, frozenset(), self.context)
         steps = generate_rounds(
-            make_target(self.pair, drafter),
-            drafter,
-            self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))],
-            SamplingOptions(),
-            max_tokens=max_tokens,
-            num_draft=self.k,
-            key=mx.random.key(0),
-            eos_ids=set(),
-            context_length=self.context,
-            timing=self.pair.timing,
-            policy=_Schedule(ks),
-            prompt_cache=self.kept,
+            engine, prompt, Sampling(SamplingOptions(), mx.random.key(0)), limits
         )
         return list(islice(guard(self.pair, steps), len(ks) + 1))
 

@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..base import switches
-from ..base.errors import MacspecError, ModelError
+from ..base.errors import CacheError, MacspecError, ModelError
 from .drafters.base import Drafter
 from .loaded import LoadedPair
 from .loop import Round
@@ -313,7 +313,9 @@ class LeaderTarget(Target):
         link.target = self
         self._rewind = -1  # a rewind the other ranks still have to apply
 
-    def start(self, prompt: list[int], max_step: int = 1) -> None:
+    def start(self, prompt: list[int], max_step: int = 1, cache: list | None = None) -> None:
+        if cache is not None:
+            raise CacheError("a sharded target keeps no prompt states to start from")
         self._rewind = -1
         flags = FLAG_HIDDEN if self.keep_hidden else 0
         self.link.send(OP_START, list(prompt), trim=max_step, flags=flags)

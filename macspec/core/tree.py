@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,11 +28,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..base.errors import CacheError
 from . import caches, hooks
-from .sampling import Distribution, sample
-from .target import Target
-
-if TYPE_CHECKING:  # (the drafters import this module: typing alone here)
-    from .drafters.base import Drafter
+from .sampling import Distribution
 
 
 @dataclass
@@ -258,40 +253,3 @@ def row_distributions(dist: Distribution, logits: mx.array, tree: Tree) -> mx.ar
         path = [tree.tokens[n] for n in tree.path(i)]
         rows.append(dist.probs(logits[i + 1 : i + 2], mx.array(path, dtype=mx.int32), len(path)))
     return mx.concatenate(rows)
-
-
-def tree_round(
-    target: Target,
-    drafter: Drafter,
-    last: int,
-    shape: TreeShape,
-    dist: Distribution,
-    key: mx.array,
-) -> tuple[Tree, list[int], int, float, float]:
-    """Draft a tree, verify it in one target pass, walk it. Returns (tree, accepted nodes, the
-    target's token, draft seconds, verify seconds). Both caches end holding exactly the
-    accepted context, also when something fails half-way."""
-    start, done = target.offset, False
-    t: Tree | None = None
-    try:
-        t0 = perf_counter()
-        t = drafter.propose_tree(shape)  # the tree's ids are read: the drafts are done
-        t1 = perf_counter()
-        rows = [-1, *range(len(t))]
-        mask = attend(t, start, rows, rows)
-        with tree_pass(target.model, target.cache, mask, [0, *t.depths], start):
-            logits = target.logits(mx.array([last, *t.tokens]), True)
-        samples = sample(row_distributions(dist, logits, t), key)
-        accepted, token = walk(t, samples.tolist())
-        done = True
-        return t, accepted, token, t1 - t0, perf_counter() - t1
-    finally:
-        if done:
-            keep = [0, *(n + 1 for n in accepted)]
-            compact(target.cache, start, keep)
-            hidden = target.hidden[mx.array(keep)] if target.hidden is not None else None
-            emitted = [t.tokens[n] for n in accepted] + [token]
-            drafter.commit_tree(t, accepted, emitted, hidden)
-        else:
-            target.trim_to(start)
-            drafter.abort(len(t) if t is not None else 0)

@@ -1,4 +1,5 @@
-"""Verification: the acceptance rule, a speculative round and a plain step.
+"""Verification: the acceptance rule over a pass's rows, and a plain step's draw (round.py runs
+the rounds).
 
 Exactness (Leviathan et al. 2023, Chen et al. 2023): draft x ~ q, accept with probability
 min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); if all k drafts are
@@ -8,15 +9,11 @@ exactly as if the target had sampled it alone, at every temperature and sampling
 
 from __future__ import annotations
 
-from time import perf_counter
-
 import mlx.core as mx
 
-from . import hooks
 from .constraint import Constraint
-from .drafters.base import Drafter, Proposal
+from .drafters.base import Proposal
 from .sampling import Distribution, SamplingOptions, sample
-from .target import Target
 
 
 def make_dist(
@@ -75,53 +72,6 @@ def one_hot(tokens: mx.array, vocab: int) -> mx.array:
     return (mx.arange(vocab)[None] == tokens[:, None]).astype(mx.float32)
 
 
-def speculative_round(
-    target: Target,
-    drafter: Drafter,
-    last: int,
-    k: int,
-    dist: Distribution,
-    key: mx.array,
-    seen: list | None = None,
-) -> tuple[list[int], int, int, float, float]:
-    """Draft up to k tokens, verify them and the next position in one target pass, accept.
-
-    Returns (drafts, n_accepted, target_token, draft_seconds, verify_seconds). Both caches end
-    holding exactly the accepted context, also when something fails half-way. `seen`: gets the
-    target's (logits, drafts, p) of the pass appended (for log probabilities)."""
-    draft_key, accept_key = mx.random.split(key)
-    start, done = target.offset, False
-    drafts: list[int] = []
-    n = 0
-    try:
-        t0 = perf_counter()
-        proposal = drafter.propose(k, dist, draft_key)
-        # The drafter is told of all it proposed (it fed them), the target sees the allowed part.
-        k = proposal.tokens.size
-        proposal = allowed_part(proposal, dist)
-        # The drafts compute while Python builds the verification graph (a small share of a
-        # round); the draft time then ends when the drafts are ready.
-        # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
-        mx.async_eval(proposal.tokens)
-        with hooks.serial():
-            logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
-        n_arr, token_arr = judge(logits, proposal, dist, accept_key, seen)
-        mx.eval(proposal.tokens)
-        t1 = perf_counter()
-        mx.eval(n_arr, token_arr)
-        drafts, n, token = proposal.tokens.tolist(), n_arr.item(), token_arr.item()
-        done = True
-        return drafts, n, token, t1 - t0, perf_counter() - t1
-    finally:
-        # Rewind: the target keeps `last` and the n accepted drafts; a failed round keeps nothing.
-        target.trim_to(start + 1 + n if done else start)
-        if done:
-            kept_hidden = target.hidden[: n + 1] if target.hidden is not None else None
-            drafter.commit(k, n, drafts[:n] + [token], kept_hidden)
-        else:
-            drafter.abort(k)
-
-
 def allowed_part(proposal: Proposal, dist: Distribution) -> Proposal:
     """A proposal cut before the first id the constraint forbids: a copy (q = None) may hold
     any id, a drafter with its own smaller vocabulary may have none allowed at a position
@@ -136,26 +86,14 @@ def allowed_part(proposal: Proposal, dist: Distribution) -> Proposal:
     return Proposal(proposal.tokens[:n], probs)
 
 
-def plain_step(
-    target: Target,
-    last: int,
-    dist: Distribution,
-    key: mx.array,
-    ahead: bool = False,
-    seen: list | None = None,
-) -> int:
-    """One ordinary decoding step with the same sampling distribution. `ahead`: the pass over
-    the sampled id starts before the id is read (Target.launch), while Python waits for it.
-    `seen`: as speculative_round's."""
-    logits = target.logits(mx.array([last]))
+def plain_token(
+    logits: mx.array, dist: Distribution, key: mx.array, seen: list | None = None
+) -> mx.array:
+    """A plain step's id (1,) from the target's row (1, V): drawn from p with `key`, or at
+    temperature 0 the id p's one-hot holds (what sample() draws). `seen`: as judge's."""
     if dist.greedy and seen is None:
-        token = dist.best(logits, None, 0).astype(mx.uint32)  # the one-hot's id: sample()'s draw
-    else:
-        p = dist.probs(logits, None, 0)
-        if seen is not None:
-            seen.append((logits, None, p))
-        token = sample(p, key)
-    if ahead:
-        mx.async_eval(token)  # computed while Python builds the next pass
-        target.launch(token)
-    return token.item()
+        return dist.best(logits, None, 0).astype(mx.uint32)
+    p = dist.probs(logits, None, 0)
+    if seen is not None:
+        seen.append((logits, None, p))
+    return sample(p, key)

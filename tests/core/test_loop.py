@@ -5,7 +5,8 @@ import pytest
 
 import macspec
 from macspec.core.drafters import ModelDrafter
-from macspec.core.loop import Timing, generate_rounds
+from macspec.core.loop import Engine, Limits, Sampling, Timing, generate_rounds
+from macspec.core.policy import FixedK
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 
@@ -46,16 +47,10 @@ def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
     prompt = pair.tokenizer.encode("Rewind me")
     history = list(prompt)
     rounds = generate_rounds(
-        target,
-        drafter,
+        Engine(target, drafter, FixedK(4), Timing()),
         prompt,
-        SamplingOptions(temperature=temperature),
-        max_tokens=60,
-        num_draft=4,
-        key=mx.random.key(3),
-        eos_ids=set(),
-        context_length=pair.context_length,
-        timing=Timing(),
+        Sampling(SamplingOptions(temperature=temperature), mx.random.key(3)),
+        Limits(60, frozenset(), pair.context_length),
     )
     rejections = 0
     for r in rounds:

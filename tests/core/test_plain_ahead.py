@@ -13,8 +13,8 @@ import macspec
 from macspec.api import stream as api
 from macspec.base.errors import CacheError
 from macspec.core import caches
-from macspec.core.loop import Timing, generate_rounds
-from macspec.core.policy import Policy
+from macspec.core.loop import Engine, Limits, Sampling, Timing, generate_rounds
+from macspec.core.policy import FixedK, Policy
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 
@@ -22,16 +22,10 @@ from macspec.core.target import Target
 def plain_decode(pair, prompt, opts, *, max_tokens=20, eos=(), key=5):
     target = Target(pair.target, pair.vocab_size)
     rounds = generate_rounds(
-        target,
-        None,
+        Engine(target, None, FixedK(0), Timing()),
         prompt,
-        opts,
-        max_tokens=max_tokens,
-        num_draft=0,
-        key=mx.random.key(key),
-        eos_ids=set(eos),
-        context_length=pair.context_length,
-        timing=Timing(),
+        Sampling(opts, mx.random.key(key)),
+        Limits(max_tokens, frozenset(eos), pair.context_length),
     )
     return target, rounds
 
