@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack
 from time import perf_counter
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,12 +27,14 @@ from ..base.errors import CacheError, OptionError
 from . import hooks, memory
 from .batch import shared_pass
 from .batch_k import Bid, PassPrices, choose_ks
-from .loop import PREFILLING, Engine, Limits, Round, Sampling, Share, rounds
+from .loop import PREFILLING, Engine, Limits, Round, Sampling, Sent, Share, Yielded, rounds
 from .round import Feed
 
 # Prompt ids prefilled between two rounds of the other rows: a new client's prompt is read in
 # chunks, so the clients already answering wait at most one chunk's pass (docs/server.md, batching).
 PREFILL_CHUNK = 256
+
+Got = Yielded | Exception | None  # a row's next yield, the exception that ended it, or nothing
 
 
 def row_rounds(
@@ -43,7 +44,7 @@ def row_rounds(
     limits: Limits,
     chunk: int = PREFILL_CHUNK,
     company: Callable[[], int] = lambda: 2,
-) -> Generator[Any, Any, None]:
+) -> Generator[Yielded, Sent, None]:
     """generate_rounds' rounds for one row of a batch (its arguments, and `chunk`: prompt ids
     prefilled per turn; `company`: the rows in this round, 1 = alone, when its round is
     generate_rounds' own); yields PREFILLING, Bid (send back the K to draft, at most its
@@ -105,9 +106,9 @@ class BatchDriver:
             wired, self._wired = self._wired, None
             wired.close()
 
-    def _round(self, rows: list[Row]) -> dict[int, Any]:
+    def _round(self, rows: list[Row]) -> dict[int, Got]:
         self.company = len(rows)
-        out: dict[int, Any] = {i: _advance(row, None) for i, row in enumerate(rows)}
+        out: dict[int, Got] = {i: _advance(row, None) for i, row in enumerate(rows)}
         bids = [(i, got) for i, got in out.items() if isinstance(got, Bid)]
         ks = self.ks([b for _, b in bids])
         for (i, _), k in zip(bids, ks, strict=True):
@@ -176,7 +177,7 @@ def _thrown(row: Row, error: Exception) -> Exception:
     return CacheError("a row went on after its shared pass failed")
 
 
-def _advance(row: Row, value: Any) -> Any:
+def _advance(row: Row, value: Sent) -> Got:
     """What the row yields next when sent `value` (None: its next round begins), or the
     exception that ended it (StopIteration: it finished)."""
     try:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from statistics import median
 from time import perf_counter
-from typing import Any
 
 import mlx.core as mx
 
@@ -30,7 +29,7 @@ from .constraint import Constraint
 from .drafters.base import Drafter
 from .logprobs import TokenLogprob, token_logprobs
 from .policy import Label, Policy
-from .round import Feed, Step, Verdict, chain_round, tree_round
+from .round import Feed, Step, Verdict, Verified, chain_round, tree_round
 from .sampling import SamplingOptions
 from .target import Target
 from .tree import TreeShape, fit
@@ -59,6 +58,12 @@ class Round:
     comm_time: float = 0.0  # distributed: rank 0's seconds in messages and all-reduces
     drafter: str = ""  # the registry name of what drafted this round ("": a plain step)
     logprobs: list[TokenLogprob] | None = None  # per emitted id, when asked for (logprobs.py)
+
+
+# A rounds generator yields Rounds, and a batched row's also PREFILLING, Bids and Feeds; it is
+# sent None, a Bid's K to draft, or a Feed's logits and hidden states.
+Yielded = Round | Bid | Feed | object
+Sent = int | Verified | None
 
 
 class Timing:
@@ -135,7 +140,7 @@ def rounds(
     sampling: Sampling,
     limits: Limits,
     share: Share | None = None,
-) -> Generator[Any, Any, None]:
+) -> Generator[Yielded, Sent, None]:
     """generate_rounds' Rounds; with `share` (a batched row) also PREFILLING after each turn
     of its prompt, a Bid (send back the K to draft) and a Feed (send back its logits and
     hidden states) where its round shares the target's pass."""
@@ -186,7 +191,7 @@ def _shares(target: Target, k: int | TreeShape, share: Share) -> bool:
     return not isinstance(k, TreeShape) and can_share(target) and share.company() != 1
 
 
-def _verify(e: Engine, step: Step, shared: bool) -> Generator[Bid | Feed, Any, Verdict]:
+def _verify(e: Engine, step: Step, shared: bool) -> Generator[Bid | Feed, Sent, Verdict]:
     """One round: a token tree, a chain of k drafts, or a plain step (k = 0) that may launch
     the next pass when the policy expects the next round to be plain too. `shared`: its K is
     bid first (the driver sends back the K it drafts, batch_k.py), then its pass is yielded;
@@ -254,7 +259,7 @@ class _Turns:
         """Where each turn ends, reading from `done` to `end`."""
         return [end] if self.chunk is None else [*range(done + self.chunk, end, self.chunk), end]
 
-    def pause(self, arrays: list) -> Generator[object, Any, None]:
+    def pause(self, arrays: list) -> Generator[object, Sent, None]:
         mx.eval(arrays)
         self.spent += perf_counter() - self.t0
         yield PREFILLING
@@ -267,7 +272,7 @@ class _Turns:
 
 def _start(
     e: Engine, prompt: list[int], max_step: int, chunk: int | None
-) -> Generator[object, Any, tuple[Hit | None, float]]:
+) -> Generator[object, Sent, tuple[Hit | None, float]]:
     """Bring the target and the drafter to the prompt: from kept states where the prompt cache
     has some, else by reading it (in turns of `chunk` ids: _Turns). Returns the kept states
     used and the seconds taken."""
@@ -284,7 +289,7 @@ def _start(
 
 def _read_target(
     target: Target, prompt: list[int], max_step: int, kept: Hit | None, turns: _Turns
-) -> Generator[object, Any, None]:
+) -> Generator[object, Sent, None]:
     """The target reads all but the prompt's last id (after the kept ones), a turn at a time;
     a drafter that reads hidden states gets them for every id read, in order."""
     cache = kept.target if kept is not None else None
@@ -304,7 +309,7 @@ def _read_target(
 
 def _read_draft(
     e: Engine, prompt: list[int], max_step: int, kept: Hit | None, turns: _Turns
-) -> Generator[object, Any, None]:
+) -> Generator[object, Sent, None]:
     """The drafter's start: from its kept state, or afresh. A draft model (state kind "model",
     alone or in a hybrid) resumes from its own state (DraftState.catches_up), so it may read
     the prompt in turns too; EAGLE and MTP read the target's hidden states."""

@@ -8,17 +8,17 @@ import time
 from dataclasses import replace
 from itertools import islice
 from statistics import median
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
-from .caches import PromptCache
+from .caches import DraftState, PromptCache
 from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
 from .loop import Engine, Limits, Round, Sampling, generate_rounds
-from .policy import Costs, Policy
-from .sampling import SamplingOptions
+from .policy import Costs, Label, Policy
+from .sampling import Distribution, SamplingOptions
 from .sharded import guard, make_target
 
 
@@ -99,7 +99,7 @@ class _Schedule(Policy):
         self.ks = list(ks)
         self.max_k = max(self.ks, default=0)
 
-    def next_k(self, label: Any = None, launched: bool = False, position: int = 0) -> int:
+    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         return self.ks.pop(0) if self.ks else 0
 
     def observe(self, k: int, accepted: int) -> None:
@@ -124,21 +124,28 @@ class _Filler(Drafter):
         self.needs_hidden = drafter.needs_hidden
         self.feature_layers = drafter.feature_layers
 
-    def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         pass
 
     def resume(
-        self, state: Any, prompt: list[int], n: int, hidden: Any = None, max_step: int = 1
+        self,
+        state: DraftState | None,
+        prompt: list[int],
+        n: int,
+        hidden: mx.array | None = None,
+        max_step: int = 1,
     ) -> None:
         pass
 
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: Any, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         return Proposal(mx.zeros((k,), mx.int32), None)
 
-    def commit(self, k: int, accepted: int, emitted: list[int], hidden: Any = None) -> None:
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
         pass
 
     def abort(self, k: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 from time import perf_counter
-from typing import Any
+from types import TracebackType
 
 import mlx.core as mx
 
@@ -84,7 +84,9 @@ class Rewind:
     def __enter__(self) -> Rewind:
         return self
 
-    def __exit__(self, kind: type | None, error: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, kind: type | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if error is None:
             return
         self.target.trim_to(self.start)

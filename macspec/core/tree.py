@@ -17,10 +17,9 @@ membership. At temperature 0, p is one-hot and the walk follows the target's arg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -91,11 +90,11 @@ class _TreeRoPE(nn.Module):
     """A RoPE module rotating each breadth-first depth group at its depth's position instead
     of consecutive ones (the model passes the offset where the group's first row is stored)."""
 
-    def __init__(self, rope: Any, groups: list[tuple[int, int, int]]) -> None:
+    def __init__(self, rope: nn.Module, groups: list[tuple[int, int, int]]) -> None:
         super().__init__()
         self.rope, self.groups = rope, groups  # (first row, end row, position)
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         # Rows of one depth share a position: each becomes a length-1 sequence at it.
         parts = [
             self.rope(x[..., a:b, None, :], offset=pos)[..., 0, :] for a, b, pos in self.groups
@@ -129,6 +128,7 @@ def tree_pass(
             )
     groups = depth_groups(depths, base)
     positions = mx.array([base + d for d in depths], dtype=mx.int32)
+    # foreign: mlx-lm's attention modules are those with a `rope` (no common base class)
     attentions = [m for _, m in model.named_modules() if callable(getattr(m, "rope", None))]
     ropes = [m.rope for m in attentions]
     # An accelerator that rotates rows without the module's `rope` is told their positions.
@@ -197,7 +197,10 @@ def fit(shape: TreeShape, room: int, widest: int | None = None) -> TreeShape | i
 
 
 def grow(
-    shape: TreeShape, expand: Any, root_probs: mx.array, vocab_ids: list[int] | None = None
+    shape: TreeShape,
+    expand: Callable[[Tree, list[int]], mx.array],
+    root_probs: mx.array,
+    vocab_ids: list[int] | None = None,
 ) -> Tree:
     """A tree grown level by level from the draft's probabilities (EAGLE-2's dynamic tree):
     each level keeps the `width` candidates of highest path probability among the children of

@@ -16,7 +16,6 @@ place of the target's feature; after verification the target's real features rep
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +30,9 @@ from ..caches import DraftState
 from ..sampling import sample
 from .base import Distribution, Drafter, Proposal
 
+# A value of the draft's config (draft_config): a width or a count, an epsilon, layer ids.
+ConfigValue = int | float | list[int]
+
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early: a doubtful token is rarely accepted and every later one depends on it.
 STOP_BELOW = 0.3
@@ -38,7 +40,7 @@ STOP_BELOW = 0.3
 
 def draft_config(
     target: nn.Module, feature_layers: tuple[int, ...] = (), layers: int = 1
-) -> dict[str, Any]:
+) -> dict[str, ConfigValue]:
     """The draft's decoder layers mirror one layer of the target (same widths and RoPE);
     `feature_layers`: target layers whose outputs the draft reads besides the final features;
     `layers`: how many decoder layers the draft stacks."""
@@ -49,11 +51,12 @@ def draft_config(
         "layers": layers,
         "hidden_size": a.hidden_size,
         "num_attention_heads": heads,
+        # foreign: mlx-lm's ModelArgs differ by architecture (the fields some lack default)
         "num_key_value_heads": getattr(a, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(a, "head_dim", None) or a.hidden_size // heads,
+        "head_dim": getattr(a, "head_dim", None) or a.hidden_size // heads,  # foreign: as above
         "intermediate_size": a.intermediate_size,
-        "rms_norm_eps": float(getattr(a, "rms_norm_eps", 1e-5)),
-        "rope_theta": float(getattr(a, "rope_theta", 10000.0)),
+        "rms_norm_eps": float(getattr(a, "rms_norm_eps", 1e-5)),  # foreign: as above
+        "rope_theta": float(getattr(a, "rope_theta", 10000.0)),  # foreign: as above
         "vocab_size": int(a.vocab_size),  # the target's rows, for `macspec check`
     }
 
@@ -66,7 +69,7 @@ class EagleDraft(nn.Module):
     projection of z joined with the standardised outputs of those target layers. At drafted
     positions s is the draft's own previous output, as EAGLE-3 feeds it forward."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, ConfigValue]):
         super().__init__()
         h = config["hidden_size"]
         args = llama.ModelArgs(
@@ -334,7 +337,7 @@ class EagleDrafter(Drafter):
         return tree.grow(shape, expand, probs(outs[-1]), vocab)
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # The drafted rows go; the target's features of the kept ids are queued (as commit).
         self.commit(len(t), len(accepted), emitted, hidden)

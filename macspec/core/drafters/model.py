@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -180,7 +179,7 @@ class ModelDrafter(Drafter):
         return tree.grow(shape, expand, mx.softmax(logits[:, : self.vocab_size], axis=-1))
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # Keep the pending ids and the accepted nodes the draft was fed (a prefix of the path).
         fed = [t.origin[a] for a in accepted if t.origin[a] in self._fed]

@@ -18,8 +18,6 @@ from) and applies the exact rule (verify.accept).
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
@@ -160,7 +158,7 @@ class MtpDrafter(Drafter):
         return tree.grow(shape, expand, probs(outs[-1]))
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # The tree's rows go; the target's states of the kept ids are queued (as commit).
         self.commit(len(t), len(accepted), emitted, hidden)
