@@ -42,7 +42,7 @@ def measure(
     # drafting must beat is a step of a run of them, not one between passes.
     ahead = median(r.verify_time for r in runs(_Filler(drafter), [0] * 6)[3:])
     # A pass is priced whole: the filler's "draft time" is the verification graph's build,
-    # which only a draft model's computation hides (verify.speculative_round).
+    # which only a draft model's computation hides (round.chain_round).
     passes = tuple(
         (n, median(r.draft_time + r.verify_time for r in rounds if r.num_draft == n))
         for n in widths
