@@ -22,7 +22,8 @@ from macspec.core.drafters.model import ModelDrafter
 from macspec.core.drafters.pruned import frequent_ids, prune_head
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
-from macspec.core.verify import make_dist, plain_step
+from macspec.core.round import Step, alone, chain_round
+from macspec.core.verify import make_dist
 from macspec.api.drafters import special_ids
 from macspec.tools.prompts import builtin_prompts, load_prompts
 
@@ -40,7 +41,7 @@ def cost(pair: macspec.Pair, sizes: list[int], repeats: int, k: int = 3) -> None
             dist = make_dist(SamplingOptions(temperature=temp), prompt)
             target.start(prompt, max_step=k + 1)
             t0 = time.perf_counter()
-            plain_step(target, prompt[-1], dist, mx.random.key(rep))
+            alone(chain_round(target, None, Step(prompt[-1], 0, dist, mx.random.key(rep), t0)))
             if rep:
                 best[temp, "target step", "-"] = min(
                     best.get((temp, "target step", "-"), 1e9), time.perf_counter() - t0

@@ -13,10 +13,13 @@ import mlx.core as mx
 
 from ..base.errors import PromptError
 from ..core import (
+    Engine,
     FixedK,
     FixedTree,
+    Limits,
     Observed,
     Round,
+    Sampling,
     TreeShape,
     adaptive,
     generate_rounds,
@@ -372,22 +375,16 @@ def _stream(
     policy = _policy(opts, pair) if adaptive else _fixed(opts)
     # Why the adaptive policy's steps were plain, for the statistics.
     reasons = policy.reasons if isinstance(policy, Observed) else None
-    steps = rounds(
+    engine = Engine(
         make_target(pair, drafter),
         drafter,
-        ids,
-        opts.sampling,
-        max_tokens=opts.max_tokens,
-        num_draft=opts.num_draft,
-        key=mx.random.key(seed),
-        eos_ids=set(pair.eos_token_ids),
-        context_length=pair.context_length,
-        timing=pair.timing,
-        policy=policy,
-        prompt_cache=pair.prompt_cache if pair.group is None else None,
-        constraint=constraint,
-        logprobs=opts.top_logprobs,
+        policy,
+        pair.timing,
+        pair.prompt_cache if pair.group is None else None,
     )
+    sampling = Sampling(opts.sampling, mx.random.key(seed), constraint, opts.top_logprobs)
+    limits = Limits(opts.max_tokens, frozenset(pair.eos_token_ids), pair.context_length)
+    steps = rounds(engine, ids, sampling, limits)
     return GenerationStream(pair, ids, guard(pair, steps), list(opts.stop), seed, reasons)
 
 

@@ -2,8 +2,9 @@
 mlx, mlx-lm, numpy and the project's errors and switches, and reads no file and prints nothing.
 
     loop.py       the generation loop: one Round per target pass (generate_rounds)
+    round.py      one round, written once: draft, verify, accept, commit or undo
     target.py     the target's passes, hidden states and rewinds
-    verify.py     the acceptance rule, a speculative round, a plain step
+    verify.py     the acceptance rule, a plain step's draw
     sampling.py   one distribution for draft and target
     tree.py       token trees: drafted by level, verified in one pass, walked exactly
     policy.py     the Policy protocol, measured costs, fixed K (and trees)
@@ -34,7 +35,7 @@ from .drafters import (
     register,
 )
 from .loaded import LoadedPair
-from .loop import Round, Timing, generate_rounds
+from .loop import Engine, Limits, Round, Sampling, Timing, generate_rounds
 from .measure import calibrate
 from .observed import Observations, Observed
 from .policy import Costs, FixedK, FixedTree
@@ -47,9 +48,11 @@ __all__ = [
     "AdaptiveK",
     "Costs",
     "Drafter",
+    "Engine",
     "FixedK",
     "FixedTree",
     "HybridDrafter",
+    "Limits",
     "LoadedPair",
     "ModelDrafter",
     "NgramDrafter",
@@ -57,6 +60,7 @@ __all__ = [
     "Observed",
     "PromptCache",
     "Round",
+    "Sampling",
     "SamplingOptions",
     "Timing",
     "TreeShape",

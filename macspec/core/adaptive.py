@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .drafters.ngram import COPY_PRIORS
-from .policy import COPY_FACTOR, Costs, Label
+from .policy import COPY_FACTOR, Costs, Label, Policy
 from .tally import Backoff, Decision, Tally
 from .tree import Tree, TreeShape
 
@@ -142,7 +142,7 @@ class Trees:
 
 
 @dataclass
-class AdaptiveK:
+class AdaptiveK(Policy):
     """Pick K maximising expected tokens per second; fall back to plain decoding (K = 0) when
     even the best K is expected to lose against it, and probe again later (Backoff).
 

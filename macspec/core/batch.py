@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -124,12 +123,12 @@ class _RowsLayer(nn.Module):
         self.layer, self.attn = layer, layer["self_attn"]
         self.rows = _RowsAttention(self.attn)
 
-    def __getattr__(self, key: str) -> Any:
+    def __getattr__(self, key: str) -> object:
         # The model reads its layers' own attributes (llama's `use_sliding`).
         if key in self:
             return self[key]
         if "layer" in self:
-            return getattr(self["layer"], key)
+            return getattr(self["layer"], key)  # foreign: the wrapped mlx-lm layer's own
         raise AttributeError(key)
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
@@ -149,7 +148,7 @@ class _RowsLayer(nn.Module):
 def _layer_list(model: nn.Module) -> list:
     """The list the model's forward pass reads its layers from at every call: the trunk's own
     (mlx-lm's `model.layers` may be a copy of part of it: qwen2's `pipeline_layers`)."""
-    trunk = getattr(model, "model", None)
+    trunk = getattr(model, "model", None)  # foreign: mlx-lm's trunk, where the model has one
     layers = trunk.get("layers") if isinstance(trunk, dict) else None  # an nn.Module's children
     return layers if isinstance(layers, list) else model.layers
 

@@ -3,30 +3,39 @@ data (ids and seconds), until a stop. No I/O, no text.
 
 The first token always comes from a plain step, which also measures what a plain step costs now;
 with no drafter every step is plain. A policy picks each round's K (0: a plain step) or a token
-tree from the drafter's label of its next proposal; verify.py and tree.py run the rounds.
+tree from the drafter's label of its next proposal; round.py runs the rounds.
+
+`rounds` is the one loop: a lone generation's (generate_rounds) and a batched row's
+(batch_rounds.row_rounds, `Share`), which reads its prompt in turns and whose rounds yield their
+target pass to be shared (a `Bid`, then a `Feed`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, replace
 from statistics import median
 from time import perf_counter
 
 import mlx.core as mx
 
 from ..base.errors import OptionError
-from . import memory
+from . import caches, memory
+from .batch import can_share
+from .batch_k import Bid, bid
 from .caches import Hit, PromptCache
 from .constraint import Constraint
-from .drafters.base import DistFn, Drafter, catch_up_time
+from .drafters.base import Drafter
 from .logprobs import TokenLogprob, token_logprobs
-from .policy import FixedK, Label, Policy
+from .policy import Label, Policy
+from .round import Feed, Step, Verdict, Verified, chain_round, tree_round
 from .sampling import SamplingOptions
 from .target import Target
-from .tree import TreeShape, fit, tree_round
-from .verify import make_dist, plain_step, speculative_round
+from .tree import TreeShape, fit
+from .verify import make_dist
+
+PREFILLING = object()  # a batched row yielded after a turn of its prompt: nothing to verify yet
 
 
 @dataclass
@@ -51,6 +60,12 @@ class Round:
     logprobs: list[TokenLogprob] | None = None  # per emitted id, when asked for (logprobs.py)
 
 
+# A rounds generator yields Rounds, and a batched row's also PREFILLING, Bids and Feeds; it is
+# sent None, a Bid's K to draft, or a Feed's logits and hidden states.
+Yielded = Round | Bid | Feed | object
+Sent = int | Verified | None
+
+
 class Timing:
     """Measured cost of one plain target step, kept across generations of a loaded pair:
     the median of the latest plain steps, so one slow step (a busy machine) does not swing it."""
@@ -66,148 +81,263 @@ class Timing:
         self.recent.append(seconds)
 
 
+@dataclass(frozen=True)
+class Engine:
+    """What runs a generation's rounds: the target, the drafter (None: plain decoding), the
+    policy choosing each round's drafts, the plain steps' timing kept across generations, and
+    the prompt cache (None: none)."""
+
+    target: Target
+    drafter: Drafter | None
+    policy: Policy
+    timing: Timing
+    prompt_cache: PromptCache | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a generation samples: its options and random key; `constraint` masks p and q alike
+    (trees: the walk follows masked rows only); `logprobs`: each emitted id's log probability
+    and its `logprobs` most likely (chains and plain steps)."""
+
+    options: SamplingOptions
+    key: mx.array
+    constraint: Constraint | None = None
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Where a generation stops: after max_tokens ids, at an end-of-text id (not output), or
+    when the context is full."""
+
+    max_tokens: int
+    eos_ids: frozenset[int]
+    context_length: int
+
+
+@dataclass(frozen=True)
+class Share:
+    """A batched row's rounds (batch_rounds.py): its prompt read `chunk` ids a turn, and
+    `company()`: the rows in this round (1 = alone: its round is then generate_rounds' own)."""
+
+    chunk: int
+    company: Callable[[], int]
+
+
 def generate_rounds(
-    target: Target,
-    drafter: Drafter | None,
-    prompt: list[int],
-    opts: SamplingOptions,
-    *,
-    max_tokens: int,
-    num_draft: int,
-    key: mx.array,
-    eos_ids: set[int],
-    context_length: int,
-    timing: Timing,
-    policy: Policy | None = None,
-    prompt_cache: PromptCache | None = None,
-    constraint: Constraint | None = None,
-    logprobs: int | None = None,
+    engine: Engine, prompt: list[int], sampling: Sampling, limits: Limits
 ) -> Iterator[Round]:
-    """Yield one Round per target pass until a stop ("stop", "length", "context"). `policy` picks
-    K per round (default: num_draft); `prompt_cache`: start from kept states, keep the final ones;
-    `constraint` masks p and q alike (trees: the walk follows masked rows only); `logprobs`: each
-    emitted id's log probability and its `logprobs` most likely (chains and plain steps)."""
-    policy = policy or FixedK(num_draft)
-    with memory.wired_limit(target.model):
-        history, max_step = list(prompt), _max_step(policy, target, prompt_cache)
-        kept, prefill_time = _start(target, drafter, prompt, max_step, prompt_cache)
-        opening = (prefill_time, kept.length if kept else 0)  # reported with the first round
-        generated, steady = 0, True  # steady: the states hold `history` (less its last id)
-        ready, clearing = perf_counter(), memory.CacheClearing()  # ready: the latest ids read
-        try:
-            while True:
-                room = min(max_tokens - generated, context_length - len(history))
-                k = _next_k(policy, drafter, target, generated, room)
-                key, subkey = mx.random.split(key)
-                dist = make_dist(opts, history, constraint)
-                seen: list | None = [] if logprobs is not None else None  # the target's rows
-                steady = False
-                # A launched pass has run since the last ids were read: its time is this round's.
-                t0 = ready if target.ahead is not None else perf_counter()
-                launch = target.takes_lazy_ids and room > 1  # a plain step's next pass, early
-                v = _observed_round(
-                    target, drafter, policy, timing, history[-1], k, dist, subkey, t0, launch, seen
-                )
-                ready = perf_counter()
-                limits = (eos_ids, generated, max_tokens, context_length)
-                emitted, finish, lps = _emit(
-                    v, room, history, limits, seen, opts, constraint, logprobs
-                )
-                steady = True
-                r = _round(
-                    v, emitted, finish, ready - t0, timing, None if generated else opening, lps
-                )
-                generated += len(emitted)
-                clearing.after(generated)
-                yield r
-                if finish:
-                    return
-        finally:
-            if steady:  # a pass launched past the end is never read; the states may be kept
-                _close(target, drafter, history, prompt_cache)
+    """Yield one Round per target pass until a stop ("stop", "length", "context"); the prompt
+    cache, if any: start from kept states, keep the final ones."""
+    with memory.wired_limit(engine.target.model):
+        yield from rounds(engine, prompt, sampling, limits)
+
+
+def rounds(
+    engine: Engine,
+    prompt: list[int],
+    sampling: Sampling,
+    limits: Limits,
+    share: Share | None = None,
+) -> Generator[Yielded, Sent, None]:
+    """generate_rounds' Rounds; with `share` (a batched row) also PREFILLING after each turn
+    of its prompt, a Bid (send back the K to draft) and a Feed (send back its logits and
+    hidden states) where its round shares the target's pass."""
+    e, key = engine, sampling.key
+    history, max_step = list(prompt), _max_step(e)
+    kept, prefill_time = yield from _start(e, prompt, max_step, share.chunk if share else None)
+    opening = (prefill_time, kept.length if kept else 0)  # reported with the first round
+    generated, steady = 0, True  # steady: the states hold `history` (less its last id)
+    ready, clearing = perf_counter(), memory.CacheClearing()  # ready: the latest ids read
+    try:
+        while True:
+            room = min(limits.max_tokens - generated, limits.context_length - len(history))
+            k = _next_k(e, generated, room)
+            key, subkey = mx.random.split(key)
+            dist = make_dist(sampling.options, history, sampling.constraint)
+            seen: list | None = [] if sampling.logprobs is not None else None  # target rows
+            steady = False
+            shared = share is not None and _shares(e.target, k, share)
+            alone = share is None or share.company() == 1  # (may launch the next pass)
+            # A launched pass has run since the last ids were read: its time is this round's.
+            t0 = ready if e.target.ahead is not None and not shared else perf_counter()
+            launch = alone and e.target.takes_lazy_ids and room > 1  # a plain step's next pass
+            step = Step(history[-1], k, dist, subkey, t0, launch, seen)
+            v = yield from _verify(e, step, shared)
+            ready = perf_counter()
+            ids, lps = _emit(v, room, history, sampling, seen)
+            emitted, finish = _stop(ids, limits, generated, len(history))
+            if sampling.constraint is not None:
+                sampling.constraint.commit(emitted)  # always allowed: drawn from masked rows
+            steady = True
+            r = _round(v, emitted, finish, ready - t0, e.timing)
+            if not generated:
+                r.prefill_time, r.cached_tokens = opening
+            r.logprobs = None if lps is None else lps[: len(emitted)]
+            generated += len(emitted)
+            clearing.after(generated)
+            yield r
+            if finish:
+                return
+    finally:
+        if steady:  # a pass launched past the end is never read; the states may be kept
+            _close(e, history)
+
+
+def _shares(target: Target, k: int | TreeShape, share: Share) -> bool:
+    """Whether a batched row's round goes into the shared pass: a chain or a plain step, of a
+    target whose layers can share, with company (a token tree runs alone)."""
+    return not isinstance(k, TreeShape) and can_share(target) and share.company() != 1
+
+
+def _verify(e: Engine, step: Step, shared: bool) -> Generator[Bid | Feed, Sent, Verdict]:
+    """One round: a token tree, a chain of k drafts, or a plain step (k = 0) that may launch
+    the next pass when the policy expects the next round to be plain too. `shared`: its K is
+    bid first (the driver sends back the K it drafts, batch_k.py), then its pass is yielded;
+    a round alone is timed for the policy (a shared round's time is not the row's own)."""
+    if isinstance(step.k, TreeShape):
+        if step.seen is not None:
+            raise OptionError("log probabilities are reported for chains and plain steps only")
+        tree, path, v = tree_round(e.target, e.drafter, step)
+        e.policy.observe_tree(tree, path, perf_counter() - step.t0)
+    elif shared:
+        e.target.drop_launch()  # a pass launched while it was alone: not shared
+        label = e.drafter.label() if e.drafter is not None and step.k else None
+        step = replace(step, k=(yield bid(e.policy, label, step.k, e.target.offset)))
+        v = yield from chain_round(e.target, e.drafter, step, shared=True)
+    else:
+        ahead = step.launch and (e.drafter is None or e.policy.expects_plain())
+        v = yield from chain_round(e.target, e.drafter, replace(step, launch=ahead))
+        if not step.k:
+            e.timing.observe_plain_step(v.verify_time)
+    if not isinstance(step.k, TreeShape) and step.k:
+        e.policy.observe(len(v.drafts), v.n)
+    if not shared:  # less the drafter's catch-up after plain steps (the stretch before it)
+        seconds = perf_counter() - step.t0
+        caught_up = e.drafter.take_catch_up() if e.drafter is not None else 0.0
+        e.policy.observe_time(step.k, v.n + 1, max(0.0, seconds - caught_up))
+    return v
 
 
 def _emit(
-    v: _Verdict,
-    room: int,
-    history: list[int],
-    limits: tuple[set[int], int, int, int],
-    seen: list | None,
-    opts: SamplingOptions,
-    constraint: Constraint | None,
-    logprobs: int | None,
-) -> tuple[list[int], str | None, list | None]:
-    """The round's ids (cut at a stop; `history` takes them all, as the states hold them), why
-    the generation finished (None: it goes on), and their log probabilities when asked for.
-    `limits`: (eos ids, ids generated so far, max_tokens, context length)."""
-    emitted = (v.drafts[: v.n] + [v.token])[:room]
-    lps = _logprobs(seen, emitted, opts, history, constraint, logprobs)
-    history += emitted
-    eos_ids, generated, max_tokens, context_length = limits
-    emitted, finish = _stop(emitted, eos_ids, generated, max_tokens, history, context_length)
-    if constraint is not None:
-        constraint.commit(emitted)  # always allowed: drawn from masked rows
-    return emitted, finish, lps
+    v: Verdict, room: int, history: list[int], sampling: Sampling, seen: list | None
+) -> tuple[list[int], list[TokenLogprob] | None]:
+    """The round's ids (at most `room`; `history` takes them all, as the states hold them) and
+    their log probabilities when asked for."""
+    ids = (v.drafts[: v.n] + [v.token])[:room]
+    lps = _logprobs(seen, ids, sampling, history)
+    history += ids
+    return ids, lps
 
 
-def _observe(policy: Policy, drafter: Drafter | None, k: int, tokens: int, seconds: float) -> None:
-    """Tell the policy a round's time, less the drafter's catch-up after plain steps (the
-    stretch before the round, not the round's own cost)."""
-    policy.observe_time(k, tokens, max(0.0, seconds - catch_up_time(drafter)))
-
-
-def _close(
-    target: Target, drafter: Drafter | None, history: list[int], prompt_cache: PromptCache | None
-) -> None:
+def _close(e: Engine, history: list[int]) -> None:
     """Finished, or closed between rounds: drop a pass launched past the end, and keep the
     states for the next prompt."""
-    target.drop_launch()
-    if prompt_cache is not None:
-        prompt_cache.save(history, target.cache, drafter)
+    e.target.drop_launch()
+    if e.prompt_cache is not None:
+        e.prompt_cache.save(history, e.target.cache, e.drafter)
 
 
-def _max_step(policy: Policy, target: Target, prompt_cache: PromptCache | None) -> int:
+def _max_step(e: Engine) -> int:
     """The widest pass a round may take back (one more: a launched pass, if the round fails)."""
-    max_step = policy.max_k + 1 + target.takes_lazy_ids
-    if prompt_cache is not None:
-        max_step = max(max_step, prompt_cache.min_step)  # window rings that rewind further
+    max_step = e.policy.max_k + 1 + e.target.takes_lazy_ids
+    if e.prompt_cache is not None:
+        max_step = max(max_step, e.prompt_cache.min_step)  # window rings that rewind further
     return max_step
 
 
+class _Turns:
+    """A prompt read in turns of `chunk` ids (None: at once), PREFILLING yielded between them
+    (a long prompt never stalls a batch's other rows by more than a turn); `seconds`: the time
+    spent reading, less the time between turns."""
+
+    def __init__(self, chunk: int | None) -> None:
+        self.chunk, self.spent, self.t0 = chunk, 0.0, perf_counter()
+
+    def stops(self, done: int, end: int) -> list[int]:
+        """Where each turn ends, reading from `done` to `end`."""
+        return [end] if self.chunk is None else [*range(done + self.chunk, end, self.chunk), end]
+
+    def pause(self, arrays: list) -> Generator[object, Sent, None]:
+        mx.eval(arrays)
+        self.spent += perf_counter() - self.t0
+        yield PREFILLING
+        self.t0 = perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return self.spent + perf_counter() - self.t0
+
+
 def _start(
-    target: Target,
-    drafter: Drafter | None,
-    prompt: list[int],
-    max_step: int,
-    prompt_cache: PromptCache | None,
-) -> tuple[Hit | None, float]:
+    e: Engine, prompt: list[int], max_step: int, chunk: int | None
+) -> Generator[object, Sent, tuple[Hit | None, float]]:
     """Bring the target and the drafter to the prompt: from kept states where the prompt cache
-    has some, else by reading it whole. Returns the kept states used and the seconds taken."""
-    t0 = perf_counter()
-    kept = prompt_cache.restore(prompt, drafter, max_step) if prompt_cache is not None else None
-    if kept is not None:
-        target.start(prompt, max_step, kept.target)
-        if drafter is not None:
-            drafter.resume(kept.draft, prompt, kept.draft_length, target.hidden, max_step)
-    else:  # (a sharded target's start takes no cache: it has no prompt cache)
-        target.start(prompt, max_step)
-        if drafter is not None:
-            drafter.start(prompt, target.hidden, max_step)
-    if prompt_cache is not None and prompt_cache.wants_checkpoint(target.cache):
-        prompt_cache.save(prompt, target.cache, drafter)
-    return kept, perf_counter() - t0
+    has some, else by reading it (in turns of `chunk` ids: _Turns). Returns the kept states
+    used and the seconds taken."""
+    turns = _Turns(chunk)
+    cache = e.prompt_cache
+    kept = cache.restore(prompt, e.drafter, max_step) if cache is not None else None
+    yield from _read_target(e.target, prompt, max_step, kept, turns)
+    if e.drafter is not None:
+        yield from _read_draft(e, prompt, max_step, kept, turns)
+    if e.prompt_cache is not None and e.prompt_cache.wants_checkpoint(e.target.cache):
+        e.prompt_cache.save(prompt, e.target.cache, e.drafter)
+    return kept, turns.seconds
 
 
-def _next_k(
-    policy: Policy, drafter: Drafter | None, target: Target, generated: int, room: int
-) -> int | TreeShape:
+def _read_target(
+    target: Target, prompt: list[int], max_step: int, kept: Hit | None, turns: _Turns
+) -> Generator[object, Sent, None]:
+    """The target reads all but the prompt's last id (after the kept ones), a turn at a time;
+    a drafter that reads hidden states gets them for every id read, in order."""
+    cache = kept.target if kept is not None else None
+    end = len(prompt) - 1  # the target holds all but the last id
+    done = caches.length(cache) if cache is not None else 0
+    hidden = []
+    for stop in turns.stops(done, end):
+        target.start(prompt[: stop + 1], max_step, cache)  # reads prompt[done:stop]
+        cache = target.cache
+        if target.hidden is not None:
+            hidden.append(target.hidden)
+        if stop < end:
+            yield from turns.pause(caches.state_arrays(cache))
+    if target.keep_hidden and len(hidden) != 1:  # (one turn: its own already)
+        target.hidden = mx.concatenate(hidden) if hidden else None
+
+
+def _read_draft(
+    e: Engine, prompt: list[int], max_step: int, kept: Hit | None, turns: _Turns
+) -> Generator[object, Sent, None]:
+    """The drafter's start: from its kept state, or afresh. A draft model (state kind "model",
+    alone or in a hybrid) resumes from its own state (DraftState.catches_up), so it may read
+    the prompt in turns too; EAGLE and MTP read the target's hidden states."""
+    drafter = e.drafter
+    state, n = (kept.draft, kept.draft_length) if kept is not None else (None, 0)
+    if state is None and turns.chunk is not None and drafter.state_kind == "model":
+        end = len(prompt) - 1
+        for stop in turns.stops(0, end):
+            drafter.resume(state, prompt[: stop + 1], n, None, max_step)
+            state, n = drafter.snapshot(), stop
+            if stop < end:
+                yield from turns.pause(caches.state_arrays(state.cache))
+    elif kept is not None:
+        drafter.resume(kept.draft, prompt, kept.draft_length, e.target.hidden, max_step)
+    else:
+        drafter.start(prompt, e.target.hidden, max_step)
+
+
+def _next_k(e: Engine, generated: int, room: int) -> int | TreeShape:
     """The next round's drafts: none for the first token or without a drafter, else the
     policy's, never past max_tokens or the context (a round emits at most k + 1 ids), nor
     wider than the backend computes each row alike to a pass of its own (Target.widest)."""
-    if drafter is None or generated == 0:
+    target = e.target
+    if e.drafter is None or generated == 0:
         return 0
     launched = target.ahead is not None
-    k = policy.next_k(_label(policy, drafter, launched, target.offset), launched, target.offset)
+    label = _label(e.policy, e.drafter, launched, target.offset)
+    k = e.policy.next_k(label, launched, target.offset)
     # No wider pass than gives every row a plain step's bits (else a near-tie may go otherwise).
     widest = target.widest
     room = room if widest is None else min(room, widest)
@@ -216,159 +346,55 @@ def _next_k(
 
 def _label(policy: Policy, drafter: Drafter, launched: bool, position: int) -> Label:
     """The label of the drafter's next proposal: where it offers several (a hybrid's short
-    match: its model or a copy) and the policy can weigh them, the policy's pick, which the
-    drafter then drafts (from the context and past rounds only: exact)."""
-    offered = getattr(drafter, "labels", None)
-    pick = getattr(policy, "pick", None)
-    if offered is None or pick is None:
-        return drafter.label()
-    labels = offered()
-    label = labels[0] if len(labels) == 1 else pick(labels, launched, position)
+    match: its model or a copy), the policy's pick, which the drafter then drafts (from the
+    context and past rounds only: exact)."""
+    labels = drafter.labels()
+    label = labels[0] if len(labels) == 1 else policy.pick(labels, launched, position)
     drafter.choose(label)
     return label
 
 
-@dataclass
-class _Verdict:
-    """A round before stops: drafts in chain order (the kept ones first), how many were kept,
-    the target's token, the seconds spent, drafts along a path and rows verified."""
-
-    drafts: list[int]
-    n: int
-    token: int
-    draft_time: float
-    verify_time: float
-    num_draft: int
-    rows: int
-    drafter: str = ""
-
-
-def _drafter_name(drafter: Drafter) -> str:
-    """What drafted the last proposal (a hybrid's copy or its model)."""
-    return getattr(drafter, "used", drafter).name
-
-
-def _observed_round(
-    target: Target,
-    drafter: Drafter | None,
-    policy: Policy,
-    timing: Timing,
-    last: int,
-    k: int | TreeShape,
-    dist: DistFn,
-    key: mx.array,
-    t0: float,
-    launch: bool,
-    seen: list | None = None,
-) -> _Verdict:
-    """_verify, its time observed by the policy: generate_rounds' rounds, and a batch row's
-    round alone (a shared round's time is not the row's own: batch_rounds)."""
-    v = _verify(target, drafter, policy, timing, last, k, dist, key, t0, launch, seen)
-    _observe(policy, drafter, k, v.n + 1, perf_counter() - t0)
-    return v
-
-
-def _verify(
-    target: Target,
-    drafter: Drafter | None,
-    policy: Policy,
-    timing: Timing,
-    last: int,
-    k: int | TreeShape,
-    dist: DistFn,
-    key: mx.array,
-    t0: float,
-    launch: bool,
-    seen: list | None = None,
-) -> _Verdict:
-    """One round: a token tree, a chain of k drafts, or a plain step (k = 0) that may launch
-    the next pass (`launch`) when the policy expects the next round to be plain too. `seen`
-    gets the target's rows of a chain or a plain step (speculative_round)."""
-    if isinstance(k, TreeShape):
-        if seen is not None:
-            raise OptionError("log probabilities are reported for chains and plain steps only")
-        target.drop_launch()  # a tree's root is in its own pass
-        tr, path, token, draft_time, verify_time = tree_round(target, drafter, last, k, dist, key)
-        policy.observe_tree(tr, path, perf_counter() - t0)
-        # As a chain: the accepted path, then the candidates where the target diverged.
-        below = path[-1] if path else -1
-        drafts = [tr.tokens[i] for i in path] + [tr.tokens[i] for i in tr.children(below)]
-        depth = max(tr.depths, default=0)
-        name = _drafter_name(drafter)
-        return _Verdict(drafts, len(path), token, draft_time, verify_time, depth, len(tr) + 1, name)
-    if k > 0:
-        drafts, n, token, draft_time, verify_time = speculative_round(
-            target, drafter, last, k, dist, key, seen
-        )
-        policy.observe(len(drafts), n)
-        rows = len(drafts) + 1 if drafts else 1
-        name = _drafter_name(drafter) if drafts else ""
-        return _Verdict(drafts, n, token, draft_time, verify_time, len(drafts), rows, name)
-    ahead = launch and (drafter is None or policy.expects_plain())
-    token = plain_step(target, last, dist, key, ahead, seen)
-    verify_time = perf_counter() - t0
-    timing.observe_plain_step(verify_time)
-    if drafter is not None:
-        drafter.commit(0, 0, [token], target.hidden)
-    return _Verdict([], 0, token, 0.0, verify_time, 0, 1)
-
-
 def _logprobs(
-    seen: list | None,
-    emitted: list[int],
-    opts: SamplingOptions,
-    history: list[int],
-    constraint: Constraint | None,
-    top: int | None,
+    seen: list | None, emitted: list[int], sampling: Sampling, history: list[int]
 ) -> list[TokenLogprob] | None:
     """The emitted ids' log probabilities from the rows of the target's pass (row i: the
     distribution emitted[i] was drawn from), before the round is committed. Greedy sampling's
     rows are one-hot: then the model's own distribution at temperature 1 (the penalty and the
     mask applied, no filters), as OpenAI reports logprobs at temperature 0."""
-    if seen is None or top is None:
+    if seen is None or sampling.logprobs is None:
         return None
     logits, drafts, p = seen[-1]
+    opts = sampling.options
     if opts.greedy:
         own = SamplingOptions(
             1.0,
             repetition_penalty=opts.repetition_penalty,
             repetition_context=opts.repetition_context,
         )
-        p = make_dist(own, history, constraint)(logits[: len(emitted)], drafts, 0)
-    return token_logprobs(p, emitted, top)
+        p = make_dist(own, history, sampling.constraint).probs(logits[: len(emitted)], drafts, 0)
+    return token_logprobs(p, emitted, sampling.logprobs)
 
 
 def _stop(
-    emitted: list[int],
-    eos_ids: set[int],
-    generated: int,
-    max_tokens: int,
-    history: list[int],
-    context_length: int,
+    emitted: list[int], limits: Limits, generated: int, held: int
 ) -> tuple[list[int], str | None]:
-    """The round's ids up to a stop, and why it stops (None: it goes on)."""
-    hit = next((i for i, t in enumerate(emitted) if t in eos_ids), None)
+    """The round's ids up to a stop, and why it stops (None: it goes on); `held`: the ids the
+    context holds with them."""
+    hit = next((i for i, t in enumerate(emitted) if t in limits.eos_ids), None)
     if hit is not None:
         return emitted[:hit], "stop"  # the EOS id itself is not output
-    if generated + len(emitted) >= max_tokens:
+    if generated + len(emitted) >= limits.max_tokens:
         return emitted, "length"
-    if len(history) >= context_length:
+    if held >= limits.context_length:
         return emitted, "context"
     return emitted, None
 
 
 def _round(
-    v: _Verdict,
-    emitted: list[int],
-    finish: str | None,
-    seconds: float,
-    timing: Timing,
-    opening: tuple[float, int] | None,
-    logprobs: list[TokenLogprob] | None = None,
+    v: Verdict, emitted: list[int], finish: str | None, seconds: float, timing: Timing
 ) -> Round:
-    """The Round the loop yields; `opening` (the first round's): prefill seconds, cached ids;
-    `logprobs`: of the round's ids before the stop (cut to the emitted ones)."""
-    prefill_time, cached = opening or (0.0, 0)
+    """The Round the loop yields (the first round's prefill and cached ids, and the log
+    probabilities, are filled in by the loop)."""
     return Round(
         accepted=v.drafts[: v.n],
         rejected=v.drafts[v.n :],
@@ -381,8 +407,5 @@ def _round(
         round_time=seconds,
         plain_step_time=timing.plain_step or seconds,
         finish_reason=finish,
-        prefill_time=prefill_time,
-        cached_tokens=cached,
         drafter=v.drafter,
-        logprobs=None if logprobs is None else logprobs[: len(emitted)],
     )

@@ -8,17 +8,17 @@ import time
 from dataclasses import replace
 from itertools import islice
 from statistics import median
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
-from .caches import PromptCache
+from .caches import DraftState, PromptCache
 from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
-from .loop import Round, generate_rounds
-from .policy import Costs
-from .sampling import SamplingOptions
+from .loop import Engine, Limits, Round, Sampling, generate_rounds
+from .policy import Costs, Label, Policy
+from .sampling import Distribution, SamplingOptions
 from .sharded import guard, make_target
 
 
@@ -42,7 +42,7 @@ def measure(
     # drafting must beat is a step of a run of them, not one between passes.
     ahead = median(r.verify_time for r in runs(_Filler(drafter), [0] * 6)[3:])
     # A pass is priced whole: the filler's "draft time" is the verification graph's build,
-    # which only a draft model's computation hides (verify.speculative_round).
+    # which only a draft model's computation hides (round.chain_round).
     passes = tuple(
         (n, median(r.draft_time + r.verify_time for r in rounds if r.num_draft == n))
         for n in widths
@@ -73,19 +73,12 @@ class _Runs:
     def __call__(self, drafter: Drafter | None, ks: list[int]) -> list[Round]:
         """The first (plain) step, then one round per entry of ks (0 = plain)."""
         max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
+        target = make_target(self.pair, drafter)
+        engine = Engine(target, drafter, _Schedule(ks), self.pair.timing, self.kept)
+        prompt = self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))]
+        limits = Limits(max_tokens, frozenset(), self.context)
         steps = generate_rounds(
-            make_target(self.pair, drafter),
-            drafter,
-            self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))],
-            SamplingOptions(),
-            max_tokens=max_tokens,
-            num_draft=self.k,
-            key=mx.random.key(0),
-            eos_ids=set(),
-            context_length=self.context,
-            timing=self.pair.timing,
-            policy=_Schedule(ks),
-            prompt_cache=self.kept,
+            engine, prompt, Sampling(SamplingOptions(), mx.random.key(0)), limits
         )
         return list(islice(guard(self.pair, steps), len(ks) + 1))
 
@@ -99,14 +92,14 @@ def _draft_step(runs: _Runs, drafter: Drafter, k: int) -> float:
     return median(r.draft_time / r.num_draft for r in rounds) if rounds else 0.0
 
 
-class _Schedule:
+class _Schedule(Policy):
     """The policy calibrate() decodes with: the given K per round, in order, then plain steps."""
 
     def __init__(self, ks: list[int]) -> None:
         self.ks = list(ks)
         self.max_k = max(self.ks, default=0)
 
-    def next_k(self, label: Any = None, launched: bool = False, position: int = 0) -> int:
+    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
         return self.ks.pop(0) if self.ks else 0
 
     def observe(self, k: int, accepted: int) -> None:
@@ -119,7 +112,7 @@ class _Schedule:
         return bool(self.ks) and self.ks[0] == 0
 
 
-class _Filler:
+class _Filler(Drafter):
     """Proposes k copies of id 0 every round: verification cost alone, for calibrate()."""
 
     name = "filler"
@@ -129,23 +122,30 @@ class _Filler:
     def __init__(self, drafter: Drafter) -> None:
         # The target runs as it will with the real drafter (hidden states, tapped layers).
         self.needs_hidden = drafter.needs_hidden
-        self.feature_layers = getattr(drafter, "feature_layers", ())
+        self.feature_layers = drafter.feature_layers
 
-    def start(self, prompt: list[int], hidden: Any = None, max_step: int = 1) -> None:
+    def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         pass
 
     def resume(
-        self, state: Any, prompt: list[int], n: int, hidden: Any = None, max_step: int = 1
+        self,
+        state: DraftState | None,
+        prompt: list[int],
+        n: int,
+        hidden: mx.array | None = None,
+        max_step: int = 1,
     ) -> None:
         pass
 
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: Any, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         return Proposal(mx.zeros((k,), mx.int32), None)
 
-    def commit(self, k: int, accepted: int, emitted: list[int], hidden: Any = None) -> None:
+    def commit(
+        self, k: int, accepted: int, emitted: list[int], hidden: mx.array | None = None
+    ) -> None:
         pass
 
     def abort(self, k: int) -> None:

@@ -86,7 +86,7 @@ def _depth(k: int | TreeShape) -> int:
 
 
 @dataclass
-class Observed:
+class Observed(Policy):
     """The inner policy's choice, kept only where observed round times say it pays.
 
     Choice rule, per round with label L, where p = seconds of a plain step and s(a) = seconds per
@@ -165,11 +165,9 @@ class Observed:
         if len(offered) < len(labels):
             for label in resting:
                 self.backoff(label).skip()
-        # (until the Policy protocol declares pick, as issue 53's loop rework does)
-        inner = getattr(self.inner, "pick", None)
-        if inner is None or len(offered) == 1:
+        if len(offered) == 1:
             return offered[0]
-        return inner(offered, launched, position)
+        return self.inner.pick(offered, launched, position)
 
     def choose(self, label: Label, priced: Decision) -> Decision:
         """The choice rule above, for the inner policy's proposal of priced.k drafts."""

@@ -22,12 +22,18 @@ Label = int | None
 
 
 class Policy(Protocol):
+    """What chooses each round's drafts. pick and observe_tree have defaults, which a policy
+    deriving from this class inherits: the drafter's default label, and nothing to learn."""
+
     max_k: int  # the most drafts next_k ever returns (caches keep room to take them back)
 
-    def next_k(self, label: Label = None, launched: bool = False, position: int = 0) -> int:
-        """Drafts for the next round (0 = a plain step). `launched`: the pass over the round's
-        first row is already running (target.py, Target.launch); `position`: the tokens
-        the target's cache holds (what every pass and draft token reads)."""
+    def next_k(
+        self, label: Label = None, launched: bool = False, position: int = 0
+    ) -> int | TreeShape:
+        """Drafts for the next round (0 = a plain step), or a token tree's shape. `launched`:
+        the pass over the round's first row is already running (target.py, Target.launch);
+        `position`: the tokens the target's cache holds (what every pass and draft token
+        reads)."""
 
     def observe(self, k: int, accepted: int) -> None:
         """How many of the last speculative round's k drafts were accepted."""
@@ -40,8 +46,13 @@ class Policy(Protocol):
         """After a plain step: whether the next round will be one too if its label is the
         last one's (its pass may then start before this step's id is read)."""
 
-    # Optional: pick(labels, launched, position) -> one of `labels`, for a drafter that offers
-    # several kinds of proposal (HybridDrafter.labels); without it the drafter's default runs.
+    def pick(self, labels: tuple[Label, ...], launched: bool = False, position: int = 0) -> Label:
+        """One of `labels`, for a drafter that offers several kinds of proposal
+        (HybridDrafter.labels): by default the first, the drafter's own default."""
+        return labels[0]
+
+    def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
+        """A token tree's round: the tree, its accepted path and the round's seconds."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +109,7 @@ class Costs:
 
 
 @dataclass
-class FixedTree:
+class FixedTree(Policy):
     """Always a token tree of this shape for the draft model's proposals (copied n-grams: a
     chain of the tree's depth): for comparisons and tests."""
 
@@ -126,12 +137,9 @@ class FixedTree:
     def expects_plain(self) -> bool:
         return self._nothing
 
-    def observe_tree(self, tree: Tree, path: list[int], seconds: float = 0.0) -> None:
-        pass
-
 
 @dataclass
-class FixedK:
+class FixedK(Policy):
     """Always k drafts (adaptive=False): for comparisons and tests. Label 0 (nothing to
     propose) is a plain step."""
 

@@ -8,17 +8,13 @@ applied here, to both models, identically.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..base.errors import OptionError
 from . import hooks
-
-# probs = dist(logits_rows, extra_tokens, first_row[, columns]): the shared sampling
-# distribution of a generation (verify.make_dist; `columns` when the logits cover only some ids).
-DistFn = Callable[..., mx.array]
+from .constraint import Constraint, masked
 
 
 @dataclass(frozen=True)
@@ -127,6 +123,68 @@ def greedy_ids(
     if opts.repetition_penalty != 1.0 and windows is not None:
         logits = apply_repetition_penalty(logits, windows, opts.repetition_penalty)
     return hooks.argmax(logits)
+
+
+@dataclass(frozen=True, eq=False)
+class Distribution:
+    """The sampling distribution of a generation's rows, shared by the draft (q) and the target
+    (p): row r follows `history` + extra[:first_row + r] (the repetition penalty's windows and
+    the constraint's state depend on the ids before a row).
+
+    `columns` (optional) says the logits cover only some ids: it maps every id to its column,
+    or to len(columns of logits) for an id they lack (a drafter with its own smaller
+    vocabulary); the missing ids then have probability 0, as they would with logits of -inf.
+    `constraint`: its mask comes first, so that every transform chooses among allowed ids."""
+
+    options: SamplingOptions
+    history: list[int]  # the generation's ids so far (the loop's own list: read, never changed)
+    constraint: Constraint | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Every row is a one-hot: a drafter may take its argmax alone."""
+        return self.options.greedy
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether rows depend on the ids before them (the penalty's windows, the constraint)."""
+        return self.options.repetition_penalty != 1.0 or self.constraint is not None
+
+    def probs(
+        self,
+        logits: mx.array,
+        extra: mx.array | None,
+        first_row: int,
+        columns: mx.array | None = None,
+    ) -> mx.array:
+        """Probabilities (rows, V) of logits (rows, V or the columns' ids)."""
+        if self.constraint is not None:
+            logits = masked(logits, self.constraint, extra, first_row, columns)
+        windows = self._windows(logits, extra, first_row)
+        if windows is None:
+            return distribution(logits, self.options)
+        if columns is None:
+            return distribution(logits, self.options, windows)
+        # Ids outside the logits point at one extra column of -inf, dropped afterwards.
+        pad = mx.full((logits.shape[0], 1), -mx.inf, dtype=logits.dtype)
+        probs = distribution(mx.concatenate([logits, pad], axis=1), self.options, columns[windows])
+        return probs[:, :-1]
+
+    def best(self, logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array | None:
+        """Greedy: the id (rows,) probs' one-hot rows hold, without building them; else None."""
+        if not self.greedy:
+            return None
+        if self.constraint is not None:
+            logits = masked(logits, self.constraint, extra, first_row)
+        return greedy_ids(logits, self.options, self._windows(logits, extra, first_row))
+
+    def _windows(self, logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array | None:
+        """The repetition penalty's windows of these rows (None: no penalty)."""
+        if self.options.repetition_penalty == 1.0:
+            return None
+        rows = first_row + logits.shape[0]
+        windows = penalty_windows(self.history, extra, rows, self.options.repetition_context)
+        return windows[first_row:]
 
 
 def _renormalise(probs: mx.array) -> mx.array:

@@ -26,14 +26,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..base import switches
-from ..base.errors import MacspecError, ModelError
+from ..base.errors import CacheError, MacspecError, ModelError
 from .drafters.base import Drafter
 from .loaded import LoadedPair
 from .loop import Round
@@ -82,8 +81,7 @@ def init_group() -> mx.distributed.Group | None:
 
 
 def rank(pair: LoadedPair) -> int:
-    group = getattr(pair, "group", None)
-    return group.rank() if group is not None else 0
+    return pair.group.rank() if pair.group is not None else 0
 
 
 def is_leader(pair: LoadedPair) -> bool:
@@ -231,7 +229,7 @@ def link_of(pair: LoadedPair) -> Link:
 def time_communication(pair: LoadedPair, on: bool = True) -> None:
     """Make RoundEvent.comm_time include the model's all-reduces, not only rank 0's messages
     (costs one sync per layer: for benchmarks). No-op without a group."""
-    if getattr(pair, "group", None) is not None:
+    if pair.group is not None:
         link_of(pair).time_collectives = on
 
 
@@ -257,9 +255,10 @@ def load_sharded(
     except Exception as e:  # mlx-lm raises ValueError/KeyError/FileNotFoundError from inside
         raise ModelError(f"cannot load the model in {path}: {type(e).__name__}: {e}") from e
     _check_divisible(model, path, link.size)
+    # foreign: mlx-lm's models offer tensor parallelism (shard) or pipeline stages, or neither
     if hasattr(model, "shard"):
         model.shard(group)
-    elif hasattr(getattr(model, "model", None), "pipeline"):
+    elif hasattr(getattr(model, "model", None), "pipeline"):  # foreign: as above
         model.model.pipeline(group)
     else:
         raise ModelError(
@@ -267,7 +266,7 @@ def load_sharded(
             "over several ranks; run it on one machine"
         )
     # Layer by layer: at most one full weight is in memory before it is cut to this rank's part.
-    for layer in getattr(model, "layers", []) or []:
+    for layer in getattr(model, "layers", []) or []:  # foreign: mlx-lm's layers, where listed
         if layer is not None:
             mx.eval(layer.parameters())
     mx.eval(model.parameters())
@@ -278,11 +277,11 @@ def load_sharded(
 
 def _check_divisible(model: nn.Module, path: Path, size: int) -> None:
     """Tensor parallelism splits attention heads: refuse a group size that does not divide them."""
-    if not hasattr(model, "shard"):
+    if not hasattr(model, "shard"):  # foreign: mlx-lm's tensor parallelism, where offered
         return
-    args = getattr(model, "args", None)
+    args = getattr(model, "args", None)  # foreign: mlx-lm's ModelArgs differ by architecture
     for name in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(args, name, None)
+        heads = getattr(args, name, None)  # foreign: as above
         if isinstance(heads, int) and heads % size:
             raise ModelError(
                 f"{path}: {name}={heads} cannot be split over {size} ranks; "
@@ -313,7 +312,9 @@ class LeaderTarget(Target):
         link.target = self
         self._rewind = -1  # a rewind the other ranks still have to apply
 
-    def start(self, prompt: list[int], max_step: int = 1) -> None:
+    def start(self, prompt: list[int], max_step: int = 1, cache: list | None = None) -> None:
+        if cache is not None:
+            raise CacheError("a sharded target keeps no prompt states to start from")
         self._rewind = -1
         flags = FLAG_HIDDEN if self.keep_hidden else 0
         self.link.send(OP_START, list(prompt), trim=max_step, flags=flags)
@@ -342,7 +343,7 @@ def timed_all_sum(link: Link) -> Iterator[None]:
     same collectives run as on the other ranks; the extra syncs cost a little speed."""
     orig = mx.distributed.all_sum
 
-    def all_sum(x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def all_sum(x: mx.array, *args: object, **kwargs: object) -> mx.array:
         mx.eval(x)
         t0 = time.perf_counter()
         y = orig(x, *args, **kwargs)
@@ -368,8 +369,8 @@ def leader_target(pair: LoadedPair, keep_hidden: bool, taps: tuple[int, ...] = (
 
 def make_target(pair: LoadedPair, drafter: Drafter | None) -> Target:
     """The target a generation runs: local, or rank 0's lead of a sharded one."""
-    keep_hidden = getattr(drafter, "needs_hidden", False)
-    taps = tuple(getattr(drafter, "feature_layers", ()))  # layers a feature draft reads
+    keep_hidden = drafter is not None and drafter.needs_hidden
+    taps = tuple(drafter.feature_layers) if drafter is not None else ()  # a feature draft reads
     if pair.group is None:
         return Target(pair.target, pair.vocab_size, keep_hidden, taps, pair.target_path.name)
     return leader_target(pair, keep_hidden, taps)

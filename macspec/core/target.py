@@ -156,7 +156,8 @@ class _Tap:
     def __init__(self, layer: nn.Module, out: list) -> None:
         self.layer, self.out = layer, out
 
-    def __getattr__(self, name: str):  # the trunk may read a layer's attributes (use_sliding)
+    def __getattr__(self, name: str) -> object:
+        # foreign: the trunk may read its mlx-lm layer's own attributes (use_sliding)
         return getattr(self.layer, name)
 
     def __call__(self, *args, **kwargs) -> mx.array:
@@ -168,7 +169,7 @@ class _Tap:
 def language_model(model: nn.Module) -> nn.Module:
     """The text model of a model that wraps one (Qwen3.5 keeps its lm_head and ModelArgs on
     `language_model`; its `model` property is that trunk already)."""
-    return getattr(model, "language_model", model)
+    return getattr(model, "language_model", model)  # foreign: mlx-lm's wrappers hold it
 
 
 def hidden_size(model: nn.Module) -> int:
@@ -179,7 +180,7 @@ def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
     """The module that gives a model's logits (as output_head), and whether it is the tied
     input embedding."""
     lm = language_model(model)
-    if getattr(lm, "lm_head", None) is not None:
+    if getattr(lm, "lm_head", None) is not None:  # foreign: mlx-lm's untied heads only
         return lm.lm_head, False
     return lm.model.embed_tokens, True
 
@@ -187,6 +188,6 @@ def head_module(model: nn.Module) -> tuple[nn.Module, bool]:
 def output_head(model: nn.Module, hidden: mx.array) -> mx.array:
     """Logits from hidden states: the untied lm_head, or the tied input embedding."""
     model = language_model(model)
-    if getattr(model, "lm_head", None) is not None:
+    if getattr(model, "lm_head", None) is not None:  # foreign: mlx-lm's untied heads only
         return model.lm_head(hidden)
     return model.model.embed_tokens.as_linear(hidden)

@@ -17,11 +17,9 @@ membership. At temperature 0, p is one-hot and the walk follows the target's arg
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from time import perf_counter
-from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,8 +27,7 @@ from mlx_lm.models.cache import KVCache
 
 from ..base.errors import CacheError
 from . import caches, hooks
-from .sampling import DistFn, sample
-from .target import Target
+from .sampling import Distribution
 
 
 @dataclass
@@ -93,11 +90,11 @@ class _TreeRoPE(nn.Module):
     """A RoPE module rotating each breadth-first depth group at its depth's position instead
     of consecutive ones (the model passes the offset where the group's first row is stored)."""
 
-    def __init__(self, rope: Any, groups: list[tuple[int, int, int]]) -> None:
+    def __init__(self, rope: nn.Module, groups: list[tuple[int, int, int]]) -> None:
         super().__init__()
         self.rope, self.groups = rope, groups  # (first row, end row, position)
 
-    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         # Rows of one depth share a position: each becomes a length-1 sequence at it.
         parts = [
             self.rope(x[..., a:b, None, :], offset=pos)[..., 0, :] for a, b, pos in self.groups
@@ -131,6 +128,7 @@ def tree_pass(
             )
     groups = depth_groups(depths, base)
     positions = mx.array([base + d for d in depths], dtype=mx.int32)
+    # foreign: mlx-lm's attention modules are those with a `rope` (no common base class)
     attentions = [m for _, m in model.named_modules() if callable(getattr(m, "rope", None))]
     ropes = [m.rope for m in attentions]
     # An accelerator that rotates rows without the module's `rope` is told their positions.
@@ -199,7 +197,10 @@ def fit(shape: TreeShape, room: int, widest: int | None = None) -> TreeShape | i
 
 
 def grow(
-    shape: TreeShape, expand: Any, root_probs: mx.array, vocab_ids: list[int] | None = None
+    shape: TreeShape,
+    expand: Callable[[Tree, list[int]], mx.array],
+    root_probs: mx.array,
+    vocab_ids: list[int] | None = None,
 ) -> Tree:
     """A tree grown level by level from the draft's probabilities (EAGLE-2's dynamic tree):
     each level keeps the `width` candidates of highest path probability among the children of
@@ -245,59 +246,13 @@ def prune(tree: Tree, n: int) -> Tree:
     )
 
 
-def row_distributions(dist: DistFn, logits: mx.array, tree: Tree) -> mx.array:
+def row_distributions(dist: Distribution, logits: mx.array, tree: Tree) -> mx.array:
     """The target's sampling distribution at the root and every node: each row follows its own
     path (the repetition penalty sees the path's ids, not the other branches')."""
-    if not getattr(dist, "needs_history", True):
-        return dist(logits, None, 0)
-    rows = [dist(logits[:1], None, 0)]
+    if not dist.needs_history:
+        return dist.probs(logits, None, 0)
+    rows = [dist.probs(logits[:1], None, 0)]
     for i in range(len(tree)):
         path = [tree.tokens[n] for n in tree.path(i)]
-        rows.append(dist(logits[i + 1 : i + 2], mx.array(path, dtype=mx.int32), len(path)))
+        rows.append(dist.probs(logits[i + 1 : i + 2], mx.array(path, dtype=mx.int32), len(path)))
     return mx.concatenate(rows)
-
-
-class TreeDrafter(Protocol):
-    """What a drafter adds to draft trees (a draft model and the EAGLE draft do)."""
-
-    def propose_tree(self, shape: TreeShape) -> Tree: ...
-
-    def commit_tree(
-        self, t: Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
-    ) -> None:
-        """After verification: the accepted nodes, then `emitted` (their ids and the target's
-        token) extend the context; `hidden`: the target's hidden states at the kept rows."""
-
-    def abort(self, k: int) -> None: ...
-
-
-def tree_round(
-    target: Target, drafter: TreeDrafter, last: int, shape: TreeShape, dist: DistFn, key: mx.array
-) -> tuple[Tree, list[int], int, float, float]:
-    """Draft a tree, verify it in one target pass, walk it. Returns (tree, accepted nodes, the
-    target's token, draft seconds, verify seconds). Both caches end holding exactly the
-    accepted context, also when something fails half-way."""
-    start, done = target.offset, False
-    t: Tree | None = None
-    try:
-        t0 = perf_counter()
-        t = drafter.propose_tree(shape)  # the tree's ids are read: the drafts are done
-        t1 = perf_counter()
-        rows = [-1, *range(len(t))]
-        mask = attend(t, start, rows, rows)
-        with tree_pass(target.model, target.cache, mask, [0, *t.depths], start):
-            logits = target.logits(mx.array([last, *t.tokens]), True)
-        samples = sample(row_distributions(dist, logits, t), key)
-        accepted, token = walk(t, samples.tolist())
-        done = True
-        return t, accepted, token, t1 - t0, perf_counter() - t1
-    finally:
-        if done:
-            keep = [0, *(n + 1 for n in accepted)]
-            compact(target.cache, start, keep)
-            hidden = target.hidden[mx.array(keep)] if target.hidden is not None else None
-            emitted = [t.tokens[n] for n in accepted] + [token]
-            drafter.commit_tree(t, accepted, emitted, hidden)
-        else:
-            target.trim_to(start)
-            drafter.abort(len(t) if t is not None else 0)

@@ -1,4 +1,5 @@
-"""Verification: the acceptance rule, a speculative round and a plain step.
+"""Verification: the acceptance rule over a pass's rows, and a plain step's draw (round.py runs
+the rounds).
 
 Exactness (Leviathan et al. 2023, Chen et al. 2023): draft x ~ q, accept with probability
 min(1, p(x)/q(x)); at the first rejection draw from norm(max(0, p - q)); if all k drafts are
@@ -8,61 +9,18 @@ exactly as if the target had sampled it alone, at every temperature and sampling
 
 from __future__ import annotations
 
-from time import perf_counter
-
 import mlx.core as mx
 
-from . import hooks
-from .constraint import Constraint, masked
-from .drafters.base import DistFn, Drafter, Proposal
-from .sampling import SamplingOptions, distribution, greedy_ids, penalty_windows, sample
-from .target import Target
+from .constraint import Constraint
+from .drafters.base import Proposal
+from .sampling import Distribution, SamplingOptions, sample
 
 
 def make_dist(
     opts: SamplingOptions, history: list[int], constraint: Constraint | None = None
-) -> DistFn:
-    """The sampling distribution for rows that follow `history` + extra[:first_row + r].
-
-    `columns` (optional) says the logits cover only some ids: it maps every id to its column,
-    or to len(columns of logits) for an id they lack (a drafter with its own smaller
-    vocabulary); the missing ids then have probability 0, as they would with logits of -inf.
-    `constraint`: its mask comes first, so that every transform chooses among allowed ids."""
-
-    def penalised(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array | None:
-        """The repetition penalty's windows of these rows (None: no penalty)."""
-        if opts.repetition_penalty == 1.0:
-            return None
-        rows = first_row + logits.shape[0]
-        return penalty_windows(history, extra, rows, opts.repetition_context)[first_row:]
-
-    def dist(
-        logits: mx.array, extra: mx.array | None, first_row: int, columns: mx.array | None = None
-    ) -> mx.array:
-        if constraint is not None:
-            logits = masked(logits, constraint, extra, first_row, columns)
-        windows = penalised(logits, extra, first_row)
-        if windows is None:
-            return distribution(logits, opts)
-        if columns is None:
-            return distribution(logits, opts, windows)
-        # Ids outside the logits point at one extra column of -inf, dropped afterwards.
-        pad = mx.full((logits.shape[0], 1), -mx.inf, dtype=logits.dtype)
-        probs = distribution(mx.concatenate([logits, pad], axis=1), opts, columns[windows])
-        return probs[:, :-1]
-
-    def best(logits: mx.array, extra: mx.array | None, first_row: int) -> mx.array:
-        """Greedy: the id (rows,) dist's one-hot rows hold, without building them."""
-        if constraint is not None:
-            logits = masked(logits, constraint, extra, first_row)
-        return greedy_ids(logits, opts, penalised(logits, extra, first_row))
-
-    # Rows depend on the ids before them (the penalty's windows, the constraint's state).
-    dist.best = best if opts.greedy else None
-    dist.needs_history = opts.repetition_penalty != 1.0 or constraint is not None
-    dist.greedy = opts.greedy  # every row is a one-hot: a drafter may take its argmax alone
-    dist.constraint = constraint
-    return dist
+) -> Distribution:
+    """The sampling distribution for rows that follow `history` (sampling.Distribution)."""
+    return Distribution(opts, history, constraint)
 
 
 def accept(p: mx.array, q: mx.array, drafts: mx.array, key: mx.array) -> tuple[mx.array, mx.array]:
@@ -93,14 +51,17 @@ def accept_greedy(ids: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def judge(
-    logits: mx.array, proposal: Proposal, dist: DistFn, key: mx.array, seen: list | None = None
+    logits: mx.array,
+    proposal: Proposal,
+    dist: Distribution,
+    key: mx.array,
+    seen: list | None = None,
 ) -> tuple[mx.array, mx.array]:
     """(n accepted, next token) of a pass's logits (k+1, V) over `proposal`'s k drafts; `seen`
     gets (logits, drafts, p) appended (log probabilities need the rows: no greedy short cut)."""
-    best = getattr(dist, "best", None)
-    if best is not None and seen is None:
-        return accept_greedy(best(logits, proposal.tokens, 0), proposal.tokens)
-    p = dist(logits, proposal.tokens, 0)
+    if dist.greedy and seen is None:
+        return accept_greedy(dist.best(logits, proposal.tokens, 0), proposal.tokens)
+    p = dist.probs(logits, proposal.tokens, 0)
     if seen is not None:
         seen.append((logits, proposal.tokens, p))
     q = proposal.probs if proposal.probs is not None else one_hot(proposal.tokens, p.shape[1])
@@ -111,58 +72,11 @@ def one_hot(tokens: mx.array, vocab: int) -> mx.array:
     return (mx.arange(vocab)[None] == tokens[:, None]).astype(mx.float32)
 
 
-def speculative_round(
-    target: Target,
-    drafter: Drafter,
-    last: int,
-    k: int,
-    dist: DistFn,
-    key: mx.array,
-    seen: list | None = None,
-) -> tuple[list[int], int, int, float, float]:
-    """Draft up to k tokens, verify them and the next position in one target pass, accept.
-
-    Returns (drafts, n_accepted, target_token, draft_seconds, verify_seconds). Both caches end
-    holding exactly the accepted context, also when something fails half-way. `seen`: gets the
-    target's (logits, drafts, p) of the pass appended (for log probabilities)."""
-    draft_key, accept_key = mx.random.split(key)
-    start, done = target.offset, False
-    drafts: list[int] = []
-    n = 0
-    try:
-        t0 = perf_counter()
-        proposal = drafter.propose(k, dist, draft_key)
-        # The drafter is told of all it proposed (it fed them), the target sees the allowed part.
-        k = proposal.tokens.size
-        proposal = allowed_part(proposal, dist)
-        # The drafts compute while Python builds the verification graph (a small share of a
-        # round); the draft time then ends when the drafts are ready.
-        # Built whole (hooks.serial): evaluated while built, the pass would count as drafting.
-        mx.async_eval(proposal.tokens)
-        with hooks.serial():
-            logits = target.logits(mx.concatenate([mx.array([last]), proposal.tokens]), True)
-        n_arr, token_arr = judge(logits, proposal, dist, accept_key, seen)
-        mx.eval(proposal.tokens)
-        t1 = perf_counter()
-        mx.eval(n_arr, token_arr)
-        drafts, n, token = proposal.tokens.tolist(), n_arr.item(), token_arr.item()
-        done = True
-        return drafts, n, token, t1 - t0, perf_counter() - t1
-    finally:
-        # Rewind: the target keeps `last` and the n accepted drafts; a failed round keeps nothing.
-        target.trim_to(start + 1 + n if done else start)
-        if done:
-            kept_hidden = target.hidden[: n + 1] if target.hidden is not None else None
-            drafter.commit(k, n, drafts[:n] + [token], kept_hidden)
-        else:
-            drafter.abort(k)
-
-
-def allowed_part(proposal: Proposal, dist: DistFn) -> Proposal:
+def allowed_part(proposal: Proposal, dist: Distribution) -> Proposal:
     """A proposal cut before the first id the constraint forbids: a copy (q = None) may hold
     any id, a drafter with its own smaller vocabulary may have none allowed at a position
     (constraint.masked). Possibly empty: the round is then a plain step."""
-    constraint = getattr(dist, "constraint", None)
+    constraint = dist.constraint
     if constraint is None or not proposal.tokens.size:
         return proposal
     n = constraint.valid_prefix(proposal.tokens.tolist())
@@ -172,27 +86,14 @@ def allowed_part(proposal: Proposal, dist: DistFn) -> Proposal:
     return Proposal(proposal.tokens[:n], probs)
 
 
-def plain_step(
-    target: Target,
-    last: int,
-    dist: DistFn,
-    key: mx.array,
-    ahead: bool = False,
-    seen: list | None = None,
-) -> int:
-    """One ordinary decoding step with the same sampling distribution. `ahead`: the pass over
-    the sampled id starts before the id is read (Target.launch), while Python waits for it.
-    `seen`: as speculative_round's."""
-    logits = target.logits(mx.array([last]))
-    best = getattr(dist, "best", None)
-    if best is not None and seen is None:
-        token = best(logits, None, 0).astype(mx.uint32)  # the one-hot's id: what sample() draws
-    else:
-        p = dist(logits, None, 0)
-        if seen is not None:
-            seen.append((logits, None, p))
-        token = sample(p, key)
-    if ahead:
-        mx.async_eval(token)  # computed while Python builds the next pass
-        target.launch(token)
-    return token.item()
+def plain_token(
+    logits: mx.array, dist: Distribution, key: mx.array, seen: list | None = None
+) -> mx.array:
+    """A plain step's id (1,) from the target's row (1, V): drawn from p with `key`, or at
+    temperature 0 the id p's one-hot holds (what sample() draws). `seen`: as judge's."""
+    if dist.greedy and seen is None:
+        return dist.best(logits, None, 0).astype(mx.uint32)
+    p = dist.probs(logits, None, 0)
+    if seen is not None:
+        seen.append((logits, None, p))
+    return sample(p, key)

@@ -212,7 +212,7 @@ def test_a_failed_shared_pass_rewinds_every_row(kinds, monkeypatch):
     driver = BatchDriver(kinds["model"].target, kinds["model"].vocab_size)
     rows = [row for _, row in streams]
     driver.round(rows)  # the first round: plain steps
-    targets = [row.rounds.gi_frame.f_locals["target"] for row in rows]
+    targets = [row.rounds.gi_frame.f_locals["engine"].target for row in rows]
     lengths = [t.offset for t in targets]
 
     def broken(*args, **kwargs):  # the pass runs (every row's cache grows), then fails
@@ -383,7 +383,7 @@ def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
     for _ in range(3):
         driver.round([row])
         got += next(stream).emitted
-        target = target or row.rounds.gi_frame.f_locals["target"]
+        target = target or row.rounds.gi_frame.f_locals["engine"].target
         assert target.ahead is not None and driver.passes == 0
     other, other_row = open_row(kinds["model"], PROMPTS[1], **opts)
     while True:

@@ -7,11 +7,12 @@ import pytest
 import macspec
 import macspec.api.stream as api
 from macspec.core.drafters.model import ModelDrafter
+from macspec.core.policy import Policy
 
 PROMPT = "the quick brown fox jumps over the lazy dog and"
 
 
-class Pattern:
+class Pattern(Policy):
     """Plain steps in stretches of `plain`, then one round of `k` drafts; records every
     observed (k, tokens, seconds)."""
 

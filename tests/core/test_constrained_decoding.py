@@ -22,7 +22,7 @@ import macspec
 from macspec.api.grammar import Grammar, Spec
 from macspec.core.drafters.base import Proposal
 from macspec.core.drafters.model import ModelDrafter
-from macspec.core.sampling import SamplingOptions, distribution
+from macspec.core.sampling import Distribution, SamplingOptions, distribution
 
 JSON_CHARS = DEFAULT_CHARS + '{}[]":-'
 SCHEMAS = [
@@ -148,12 +148,12 @@ def unmasked_ratio(monkeypatch):
     def propose(self, k, dist, key):
         raw = []
 
-        def spy(logits, extra, first_row, columns=None):
-            raw.append(distribution(logits, SamplingOptions(temperature=1.0)))
-            return dist(logits, extra, first_row, columns)
+        class Spy(Distribution):
+            def probs(self, logits, extra, first_row, columns=None):
+                raw.append(distribution(logits, SamplingOptions(temperature=1.0)))
+                return super().probs(logits, extra, first_row, columns)
 
-        spy.constraint = dist.constraint
-        got = real(self, k, spy, key)
+        got = real(self, k, Spy(dist.options, dist.history, dist.constraint), key)
         return Proposal(got.tokens, mx.concatenate(raw))
 
     monkeypatch.setattr(ModelDrafter, "propose", propose)

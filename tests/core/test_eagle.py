@@ -9,6 +9,7 @@ import mlx.nn as nn
 import pytest
 from support.drafts import make_draft
 from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.policies import SOFTMAX
 from support.tinymodels import make_tiny_model
 
 import macspec
@@ -126,7 +127,7 @@ def test_cache_after_rounds_matches_fresh_recomputation(eagle_only, tapped_dirs,
     draft, parts = drafter.draft, drafter.parts
     assert drafter.feature_layers == ((0, 1) if which == "tapped layers" else ())
     assert len(drafter.cache) == (2 if which == "two layers" else 1)
-    soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
+    soft = SOFTMAX
     context = [1, 10, 11, 12, 13, 14]
 
     def target_hidden(ids):
@@ -167,7 +168,7 @@ def test_a_long_prompt_is_fed_to_the_draft_in_chunks_at_start(eagle_only):
     hidden = hidden_states(pair.target, mx.array(context[:-1]), None, drafter.feature_layers)
     drafter.start(context, hidden)
     assert drafter.cache[0].offset == len(context) - 2 and len(drafter.pending_ids) == 1
-    soft = lambda logits, extra, i, columns=None: mx.softmax(logits, axis=-1)  # noqa: E731
+    soft = SOFTMAX
     q0 = drafter.propose(1, soft, mx.random.key(0)).probs[0]
     parts = drafter.parts
     ref = mx.softmax(_full(reference_logits(pair, parts, drafter.draft, context), parts, pair), -1)

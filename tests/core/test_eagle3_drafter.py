@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from support.drafter_models import make_eagle3_draft, make_eagle_target
 from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.policies import SOFTMAX
 from support.tinymodels import make_tiny_model
 
 import macspec
@@ -104,8 +105,7 @@ def test_greedy_speculative_equals_plain(dirs, fmt):
     assert accepted > 0 and rejected > 0, (accepted, rejected)
 
 
-def soft(logits, extra, i, columns=None):
-    return mx.softmax(logits, axis=-1)
+soft = SOFTMAX
 
 
 def test_cache_after_rounds_matches_a_recomputation(dirs):

@@ -49,12 +49,13 @@ def test_judge_takes_the_short_cut_only_where_it_is_the_same(penalty):
     rng = np.random.default_rng(1)
     history = [int(i) for i in rng.integers(0, VOCAB, 30)]
     greedy = make_dist(SamplingOptions(repetition_penalty=penalty), history)
-    assert greedy.best is not None
-    assert make_dist(SamplingOptions(temperature=0.7), history).best is None
+    assert greedy.greedy
+    hot = make_dist(SamplingOptions(temperature=0.7), history)
+    assert not hot.greedy and hot.best(mx.zeros((1, VOCAB)), None, 0) is None
     for hits in range(4):
         logits, drafts = _rows(rng, 3, hits)
         proposal = Proposal(drafts, None)
-        p = greedy(logits, drafts, 0)
+        p = greedy.probs(logits, drafts, 0)
         want = accept(p, one_hot(drafts, VOCAB), drafts, mx.random.key(0))
         got = judge(logits, proposal, greedy, mx.random.key(0))
         seen: list = []
@@ -70,5 +71,5 @@ def test_greedy_ids_are_what_sample_draws_from_the_one_hot():
     dist = make_dist(SamplingOptions(repetition_penalty=1.5), history)
     logits = mx.array(rng.normal(size=(4, VOCAB)).astype(np.float32))
     extra = mx.array([1, 2, 3], dtype=mx.uint32)
-    drawn = sample(dist(logits, extra, 0), mx.random.key(3))
+    drawn = sample(dist.probs(logits, extra, 0), mx.random.key(3))
     assert drawn.tolist() == dist.best(logits, extra, 0).tolist()

@@ -24,7 +24,7 @@ import macspec.core.verify as verify
 from macspec.core import FixedK, Observations, Observed
 from macspec.core.adaptive import AdaptiveK, adaptive
 from macspec.core.drafters import COPY_PRIORS, HybridDrafter, NgramDrafter
-from macspec.core.drafters.base import Proposal
+from macspec.core.drafters.base import Drafter, Proposal
 from macspec.core.policy import Costs
 from macspec.core.tally import Tally
 
@@ -97,7 +97,7 @@ def test_without_an_inner_pick_the_default_label_runs():
 # ---------------------------------------------------------------- the hybrid drafter
 
 
-class Fixed:
+class Fixed(Drafter):
     """A model drafter stand-in that always proposes id 9."""
 
     name, summary, needs_hidden = "model", "id 9", False

@@ -4,10 +4,16 @@ import mlx.core as mx
 import pytest
 
 import macspec
+from macspec.base.errors import CacheError
+from macspec.core import caches
 from macspec.core.drafters import ModelDrafter
-from macspec.core.loop import Timing, generate_rounds
+from macspec.core.loop import Engine, Limits, Sampling, Timing, generate_rounds
+from macspec.core.policy import FixedK
+from macspec.core.round import Step, alone, chain_round, tree_round
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
+from macspec.core.tree import TreeShape
+from macspec.core.verify import make_dist
 
 PROMPTS = ["Once upon", "The cat sat on the", "42 is", [1, 20, 30, 40, 50, 60]]
 
@@ -46,16 +52,10 @@ def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
     prompt = pair.tokenizer.encode("Rewind me")
     history = list(prompt)
     rounds = generate_rounds(
-        target,
-        drafter,
+        Engine(target, drafter, FixedK(4), Timing()),
         prompt,
-        SamplingOptions(temperature=temperature),
-        max_tokens=60,
-        num_draft=4,
-        key=mx.random.key(3),
-        eos_ids=set(),
-        context_length=pair.context_length,
-        timing=Timing(),
+        Sampling(SamplingOptions(temperature=temperature), mx.random.key(3)),
+        Limits(60, frozenset(), pair.context_length),
     )
     rejections = 0
     for r in rounds:
@@ -70,6 +70,32 @@ def test_caches_after_rejections_match_fresh_recomputation(pair, temperature):
         assert drafter.cache[0].offset + len(drafter.pending) == len(history)
         assert drafter.pending == history[len(history) - len(drafter.pending) :]
     assert rejections > 0
+
+
+@pytest.mark.parametrize("k", [3, TreeShape(2, 2, 4)], ids=["chain", "tree"])
+def test_a_round_that_fails_half_way_keeps_nothing(pair, monkeypatch, k):
+    """round.Rewind: a round whose target pass fails after feeding its ids leaves the target
+    and the drafter where the round began (the next round would start clean)."""
+    target = Target(pair.target, pair.vocab_size)
+    drafter = ModelDrafter(pair.draft, pair.vocab_size)
+    prompt = pair.tokenizer.encode("Rewind me")
+    target.start(prompt, max_step=8)
+    drafter.start(prompt, max_step=8)
+    before = (target.offset, caches.length(drafter.cache), list(drafter.pending))
+    real = Target.logits
+
+    def broken(self, tokens, rewindable=False):  # the pass runs (the caches grow), then fails
+        mx.eval(real(self, tokens, rewindable))
+        raise CacheError("broken on purpose")
+
+    monkeypatch.setattr(Target, "logits", broken)
+    step = Step(prompt[-1], k, make_dist(SamplingOptions(), prompt), mx.random.key(0), 0.0)
+    with pytest.raises(CacheError, match="on purpose"):
+        if isinstance(k, TreeShape):
+            tree_round(target, drafter, step)
+        else:
+            alone(chain_round(target, drafter, step))
+    assert (target.offset, caches.length(drafter.cache), drafter.pending) == before
 
 
 def test_max_tokens_smaller_than_k(pair):
@@ -218,7 +244,7 @@ def test_distribution_over_a_drafter_vocabulary_equals_the_full_one(options):
     columns = mx.array([ids.index(i) if i in ids else len(ids) for i in range(vocab)])
     dist = make_dist(options, [3, 7, 5, 2, 9])  # history with ids in and out of the drafter's
     extra = mx.array([8])
-    want = dist(full, extra, 0)
-    got = dist(logits_small, extra, 0, columns)
+    want = dist.probs(full, extra, 0)
+    got = dist.probs(logits_small, extra, 0, columns)
     assert mx.allclose(got, want[:, mx.array(ids)], atol=1e-6).item()
     assert mx.allclose(want.sum(axis=1), mx.ones(2), atol=1e-5).item()

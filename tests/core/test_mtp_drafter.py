@@ -12,6 +12,7 @@ import pytest
 from mlx.utils import tree_flatten
 from support.drafter_models import make_mtp_checkpoint
 from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.policies import SOFTMAX
 from support.tinymodels import make_tiny_model
 
 import macspec
@@ -110,8 +111,7 @@ def reference_logits(pair, drafter, context, drafted):
     return out
 
 
-def soft(logits, extra, i, columns=None):
-    return mx.softmax(logits, axis=-1)
+soft = SOFTMAX
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "mimo", "qwen3_next"])

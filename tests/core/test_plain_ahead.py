@@ -13,7 +13,8 @@ import macspec
 from macspec.api import stream as api
 from macspec.base.errors import CacheError
 from macspec.core import caches
-from macspec.core.loop import Timing, generate_rounds
+from macspec.core.loop import Engine, Limits, Sampling, Timing, generate_rounds
+from macspec.core.policy import FixedK, Policy
 from macspec.core.sampling import SamplingOptions
 from macspec.core.target import Target
 
@@ -21,16 +22,10 @@ from macspec.core.target import Target
 def plain_decode(pair, prompt, opts, *, max_tokens=20, eos=(), key=5):
     target = Target(pair.target, pair.vocab_size)
     rounds = generate_rounds(
-        target,
-        None,
+        Engine(target, None, FixedK(0), Timing()),
         prompt,
-        opts,
-        max_tokens=max_tokens,
-        num_draft=0,
-        key=mx.random.key(key),
-        eos_ids=set(eos),
-        context_length=pair.context_length,
-        timing=Timing(),
+        Sampling(opts, mx.random.key(key)),
+        Limits(max_tokens, frozenset(eos), pair.context_length),
     )
     return target, rounds
 
@@ -145,7 +140,7 @@ def test_a_sharded_target_is_fed_ids_it_can_send():
     assert Target.takes_lazy_ids and not LeaderTarget.takes_lazy_ids
 
 
-class Alternate:
+class Alternate(Policy):
     """Plain, then k drafts, in turn, each plain step launching the pass the speculative round
     then starts from."""
 

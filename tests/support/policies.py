@@ -1,8 +1,23 @@
 """A stand-in inner policy for observed.Observed (core/observed.py), whose own choices the tests
-inject round times into."""
+inject round times into; a plain softmax distribution for drafters tested alone."""
+
+import mlx.core as mx
+
+from macspec.core.policy import Policy
+from macspec.core.sampling import Distribution, SamplingOptions
 
 
-class Proposes:
+class Softmax(Distribution):
+    """The logits' softmax at temperature 1, no sampling options (a drafter's raw q)."""
+
+    def probs(self, logits, extra, first_row, columns=None):
+        return mx.softmax(logits, axis=-1)
+
+
+SOFTMAX = Softmax(SamplingOptions(temperature=1.0), [])
+
+
+class Proposes(Policy):
     """An inner policy that always proposes `k` (settable: the cost-priced choice stands in) and
     picks the first label offered."""
 

@@ -28,7 +28,7 @@ import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import numpy as np
@@ -37,8 +37,14 @@ from mlx_lm.models.cache import CacheList
 
 from ...base.errors import CacheError
 from .recurrent import RecurrentCache
-from .rewind import TRIMMABLE, layers, length
+from .rewind import TRIMMABLE, Layer, layers, length
 from .window import WindowKVCache
+
+if TYPE_CHECKING:  # (the drafters import the caches: typing alone here)
+    from ..drafters.base import Drafter
+
+# A drafter's extra state: nested lists, tuples and dicts of arrays (mlx.utils' trees), any shape.
+PyTree = Any
 
 MIN_STEP = 32  # sliding-window rings keep this many spare positions while a prompt cache is on
 DEFAULT_BYTES = 1 << 30
@@ -59,7 +65,7 @@ class DraftState:
     cache: list | None
     length: int
     lookahead: int = 0
-    extra: Any = None
+    extra: PyTree = None
     catches_up: bool = False  # it reads the ids itself: may resume behind the target
     start: int = 0  # context ids before its cache (a draft that read only a prompt's end)
 
@@ -67,7 +73,7 @@ class DraftState:
 # ---------------------------------------------------------------- one model's cache
 
 
-def _span(c: Any, max_step: int) -> tuple[int, int]:
+def _span(c: Layer, max_step: int) -> tuple[int, int]:
     """The lengths (lo, hi) this layer's cache can be brought back to exactly."""
     if isinstance(c, WindowKVCache):
         if c.capacity < c.window + max_step - 1:  # its ring is too small for these rounds
@@ -89,15 +95,15 @@ def span(cache: list, max_step: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _alias(tree: Any) -> Any:
+def _alias(tree: PyTree) -> PyTree:
     return tree_map(lambda a: a[...] if isinstance(a, mx.array) else a, tree)
 
 
-def _cut(tree: Any, n: int) -> Any:
+def _cut(tree: PyTree, n: int) -> PyTree:
     return tree_map(lambda a: a[..., :n, :], tree)
 
 
-def _copy_layer(c: Any, n: int | None = None) -> Any:
+def _copy_layer(c: Layer, n: int | None = None) -> Layer:
     """A copy of one layer's cache that shares no array object with `c`, holding its first `n`
     tokens (None: all of them; `_span` says which n are exact)."""
     if isinstance(c, CacheList):
@@ -123,7 +129,7 @@ def copy_cache(cache: list, n: int | None = None) -> list:
     return [_copy_layer(c, n) for c in cache]
 
 
-def _leaves(tree: Any) -> list:
+def _leaves(tree: PyTree) -> list:
     return [a for _, a in tree_flatten(tree) if isinstance(a, mx.array)]
 
 
@@ -221,7 +227,7 @@ class PromptCache:
         with self._lock:
             self._entries.clear()
 
-    def restore(self, prompt: list[int], drafter: Any, max_step: int) -> Hit | None:
+    def restore(self, prompt: list[int], drafter: Drafter | None, max_step: int) -> Hit | None:
         """Copies of the states that let `prompt` skip the most ids (at most all but its last,
         which the first step reads), or None: prefill it all."""
         kind = _kind(drafter)
@@ -248,7 +254,7 @@ class PromptCache:
                     hit.draft = _restore_draft(e.draft, hit.draft_length)
         return hit
 
-    def save(self, ids: list[int], cache: list, drafter: Any) -> None:
+    def save(self, ids: list[int], cache: list, drafter: Drafter | None) -> None:
         """Keep the states after `ids` (the target's cache holds a prefix of them) as an entry,
         dropping the entries it makes useless (a prefix it can restore as well) and the least
         recently used ones beyond the caps."""
@@ -286,13 +292,11 @@ class PromptCache:
         return any(not isinstance(c, TRIMMABLE) for _, c in layers(cache))
 
 
-def _kind(drafter: Any) -> str | None | bool:
+def _kind(drafter: Drafter | None) -> str | None | bool:
     """The kind of state a drafter keeps (None: no drafter, or one rebuilt from the ids);
     False for a drafter that cannot resume from a kept state (no prompt cache then)."""
     if drafter is None:
         return None
-    if not hasattr(drafter, "resume"):
-        return False
     return drafter.state_kind
 
 

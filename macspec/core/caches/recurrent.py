@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -124,12 +124,12 @@ class _Recorded:
     rewindable forward, leaves its arguments with the layer's cache so that it can be run again
     over the first m tokens only."""
 
-    def __init__(self, fn: Any, per_token: tuple[str, ...]) -> None:
+    def __init__(self, fn: Callable[..., object], per_token: tuple[str, ...]) -> None:
         self.fn, self.per_token = fn, per_token
         self.signature = inspect.signature(fn)
-        self.__name__ = getattr(fn, "__name__", "recurrence")
+        self.__name__ = getattr(fn, "__name__", "recurrence")  # foreign: a partial has none
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         out = self.fn(*args, **kwargs)
         cache = _active.cache
         if cache is not None and cache.recording:
@@ -175,6 +175,6 @@ def _hook(model: nn.Module) -> None:
             module.__class__ = _RecordingConv1d
         home = sys.modules.get(type(module).__module__)
         for name, per_token in RECURRENCES.items():
-            fn = getattr(home, name, None)
+            fn = getattr(home, name, None)  # foreign: the mlx-lm modules that define one
             if fn is not None and not isinstance(fn, _Recorded):
                 setattr(home, name, _Recorded(fn, per_token))

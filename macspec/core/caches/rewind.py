@@ -42,6 +42,10 @@ from ..memory import clear_on_gpu
 from .recurrent import RecurrentCache, _active, _hook
 from .window import WindowKVCache
 
+# One layer's cache: mlx-lm's kinds (KVCache, QuantizedKVCache, CacheList...) and ours (window,
+# recurrent); they share no base class with the fields read here, so Any (the one place).
+Layer = Any
+
 # Cache classes that are exact when trimmed by offset (appended keys, nothing evicted).
 TRIMMABLE = (KVCache, ConcatenateKVCache, QuantizedKVCache)
 
@@ -49,7 +53,7 @@ TRIMMABLE = (KVCache, ConcatenateKVCache, QuantizedKVCache)
 # ---------------------------------------------------------------- whole-model caches
 
 
-def layers(cache: list) -> Iterator[tuple[int, Any]]:
+def layers(cache: list) -> Iterator[tuple[int, Layer]]:
     """(layer index, cache) over every cache, nested CacheLists included."""
     for i, c in enumerate(cache):
         if isinstance(c, CacheList):
@@ -59,7 +63,7 @@ def layers(cache: list) -> Iterator[tuple[int, Any]]:
             yield i, c
 
 
-def _convert(c: Any, max_step: int) -> Any:
+def _convert(c: Layer, max_step: int) -> Layer:
     if type(c) is RotatingKVCache:
         if c.keep:
             raise ModelError("a rotating cache that keeps attention-sink tokens cannot rewind")

@@ -4,7 +4,7 @@ REGISTRY maps each drafter's name (its `name`, as a pair's drafter kind shows it
 as llama.cpp's common/speculative.cpp maps its speculative types; `register` adds one."""
 
 from ...base.errors import OptionError
-from .base import DistFn, Drafter, Proposal
+from .base import Distribution, Drafter, Proposal
 from .eagle import EagleDrafter
 from .eagle3 import Eagle3Drafter
 from .hybrid import HybridDrafter
@@ -37,7 +37,7 @@ __all__ = [
     "COPY_PRIORS",
     "MATCH_BUCKETS",
     "REGISTRY",
-    "DistFn",
+    "Distribution",
     "Drafter",
     "Eagle3Drafter",
     "EagleDrafter",

@@ -16,7 +16,6 @@ place of the target's feature; after verification the target's real features rep
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,7 +28,10 @@ from ...base.errors import CacheError, ModelError
 from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
-from .base import DistFn, Proposal
+from .base import Distribution, Drafter, Proposal
+
+# A value of the draft's config (draft_config): a width or a count, an epsilon, layer ids.
+ConfigValue = int | float | list[int]
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early: a doubtful token is rarely accepted and every later one depends on it.
@@ -38,7 +40,7 @@ STOP_BELOW = 0.3
 
 def draft_config(
     target: nn.Module, feature_layers: tuple[int, ...] = (), layers: int = 1
-) -> dict[str, Any]:
+) -> dict[str, ConfigValue]:
     """The draft's decoder layers mirror one layer of the target (same widths and RoPE);
     `feature_layers`: target layers whose outputs the draft reads besides the final features;
     `layers`: how many decoder layers the draft stacks."""
@@ -49,11 +51,12 @@ def draft_config(
         "layers": layers,
         "hidden_size": a.hidden_size,
         "num_attention_heads": heads,
+        # foreign: mlx-lm's ModelArgs differ by architecture (the fields some lack default)
         "num_key_value_heads": getattr(a, "num_key_value_heads", None) or heads,
-        "head_dim": getattr(a, "head_dim", None) or a.hidden_size // heads,
+        "head_dim": getattr(a, "head_dim", None) or a.hidden_size // heads,  # foreign: as above
         "intermediate_size": a.intermediate_size,
-        "rms_norm_eps": float(getattr(a, "rms_norm_eps", 1e-5)),
-        "rope_theta": float(getattr(a, "rope_theta", 10000.0)),
+        "rms_norm_eps": float(getattr(a, "rms_norm_eps", 1e-5)),  # foreign: as above
+        "rope_theta": float(getattr(a, "rope_theta", 10000.0)),  # foreign: as above
         "vocab_size": int(a.vocab_size),  # the target's rows, for `macspec check`
     }
 
@@ -66,7 +69,7 @@ class EagleDraft(nn.Module):
     projection of z joined with the standardised outputs of those target layers. At drafted
     positions s is the draft's own previous output, as EAGLE-3 feeds it forward."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, ConfigValue]):
         super().__init__()
         h = config["hidden_size"]
         args = llama.ModelArgs(
@@ -174,7 +177,7 @@ class TargetParts:
         return features @ self.head.T
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Drafter protocol (drafters/base.py) over an EagleDraft.
 
     The draft cache holds positions whose input pair used a real target feature; `pending` holds
@@ -275,7 +278,7 @@ class EagleDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         self._offset, self._proposed = self.cache[0].offset, True
         self._fed = len(self.pending_ids)
         if not self.pending_ids:  # cannot happen after the loop's first plain step
@@ -290,7 +293,7 @@ class EagleDrafter:
             # the layer on a CPU.
             logits = self.parts.logits(self.draft.decode(out)[0])
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, i, self.parts.lookup)
+            q = dist.probs(logits, drafted, i, self.parts.lookup)
             index = sample(q, subkey)
             token = self.parts.vocab_ids[index]
             tokens.append(token)
@@ -334,7 +337,7 @@ class EagleDrafter:
         return tree.grow(shape, expand, probs(outs[-1]), vocab)
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # The drafted rows go; the target's features of the kept ids are queued (as commit).
         self.commit(len(t), len(accepted), emitted, hidden)

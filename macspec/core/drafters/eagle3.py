@@ -20,6 +20,7 @@ layer i - 1, which Target(taps=...) keeps.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -31,10 +32,14 @@ from mlx_lm.models.cache import KVCache
 
 from ...base.errors import ModelError
 from .. import hooks
+from ..target import language_model
 from .eagle import STOP_BELOW, EagleDrafter
 
+# models/eagle3.py's Eagle3Config (the core may not import the models): its fields by name.
+Config = Any
 
-def _args(c: Any) -> Any:
+
+def _args(c: Config) -> llama.ModelArgs | qwen3.ModelArgs:
     """mlx-lm ModelArgs of one draft decoder layer (width H)."""
     common = {
         "hidden_size": c.hidden_size,
@@ -58,7 +63,7 @@ def _args(c: Any) -> Any:
 class FirstLayer(nn.Module):
     """EAGLE-3's layer 0 (`midlayer`): attention over cat(input_layernorm(e), hidden_norm(g))."""
 
-    def __init__(self, c: Any):
+    def __init__(self, c: Config):
         super().__init__()
         args, h = _args(c), c.hidden_size
         self.self_attn = (qwen3 if c.layer_type == "qwen3" else llama).Attention(args)
@@ -73,14 +78,16 @@ class FirstLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
         self.norm_before_residual = c.norm_before_residual
 
-    def __call__(self, embeds: mx.array, g: mx.array, mask: Any, cache: Any) -> mx.array:
+    def __call__(
+        self, embeds: mx.array, g: mx.array, mask: mx.array | str | None, cache: KVCache | None
+    ) -> mx.array:
         normed = self.hidden_norm(g)
         x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
         h = (normed if self.norm_before_residual else g) + self.self_attn(x, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _llama_mlp_args(c: Any) -> Any:
+def _llama_mlp_args(c: Config) -> llama.ModelArgs:
     """qwen3's MLP is llama's without biases: the same parameter names."""
     return llama.ModelArgs(
         model_type="llama",
@@ -98,7 +105,7 @@ class Eagle3Draft(nn.Module):
     target layers Target keeps (ascending), `order`: for each of fc's inputs (the checkpoint's
     layer ids in their order) its tap's index."""
 
-    def __init__(self, c: Any, taps: tuple[int, ...], order: tuple[int, ...]):
+    def __init__(self, c: Config, taps: tuple[int, ...], order: tuple[int, ...]):
         super().__init__()
         if c.recycle_normed and not c.logits_norm:
             raise ModelError("an EAGLE-3 draft recycling norm(out) must apply norm to logits")
@@ -175,7 +182,7 @@ class DraftVocabParts:
     def embed(self, ids: mx.array) -> mx.array:
         table = self.draft.embed_tokens if "embed_tokens" in self.draft else None
         if table is None:
-            table = getattr(self.target, "language_model", self.target).model.embed_tokens
+            table = language_model(self.target).model.embed_tokens
         return table(ids).astype(mx.float32)
 
     def logits(self, features: mx.array) -> mx.array:
@@ -195,7 +202,7 @@ class Eagle3Drafter(EagleDrafter):
 
 def factory(
     draft: Eagle3Draft, vocab_ids: np.ndarray, target: nn.Module, vocab_size: int, accelerate: bool
-) -> Any:
+) -> Callable[[bool], Eagle3Drafter]:
     """A fresh drafter per generation over `draft` (weights shared); with `accelerate`, its
     layers switched as the target's (hooks.py)."""
     if accelerate:

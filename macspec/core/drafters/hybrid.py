@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
 from ...base.errors import OptionError
 from .. import tree
 from ..caches import DraftState
-from .base import DistFn, Drafter, Proposal, catch_up_time
+from .base import Distribution, Drafter, Proposal
 from .ngram import NgramDrafter
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """The n-gram lookup first, the draft model otherwise: when the context repeats itself
     (a long n-gram match), copying is free and usually right, so the draft model is skipped.
     A short match (1 to min_match - 1 ids) may go either way: labels() offers both and the
@@ -29,7 +27,7 @@ class HybridDrafter:
     def __init__(self, model: Drafter, ngram: NgramDrafter, min_match: int = 3):
         self.model, self.ngram, self.min_match = model, ngram, min_match
         self.needs_hidden = model.needs_hidden
-        self.feature_layers = getattr(model, "feature_layers", ())
+        self.feature_layers = model.feature_layers
         self.used: Drafter = model
         self._choice: tuple[int, int | None] | None = None  # (context length, label) chosen
 
@@ -39,8 +37,8 @@ class HybridDrafter:
         self._choice = None
 
     @property
-    def state_kind(self) -> str | None:
-        return getattr(self.model, "state_kind", None)
+    def state_kind(self) -> str | None | bool:
+        return self.model.state_kind
 
     def snapshot(self) -> DraftState | None:
         return self.model.snapshot() if self.state_kind is not None else None
@@ -72,7 +70,7 @@ class HybridDrafter:
             return self._choice[1]
         return self.labels()[0]
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         if self.label() is not None:  # context and past rounds only (choose())
             self.used = self.ngram
             return Proposal(mx.array(self.ngram.lookup(k)[0], dtype=mx.int32), None)
@@ -88,7 +86,10 @@ class HybridDrafter:
         self.model.commit(model_k, accepted, emitted, hidden)
 
     def take_catch_up(self) -> float:
-        return catch_up_time(self.model)
+        return self.model.take_catch_up()
+
+    def drafted_by(self) -> str:
+        return self.used.name
 
     def abort(self, k: int) -> None:
         if self.used is self.model:
@@ -99,7 +100,7 @@ class HybridDrafter:
         return self.model.propose_tree(shape)
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         self.ngram.commit(len(t), len(accepted), emitted)
         self.model.commit_tree(t, accepted, emitted, hidden)

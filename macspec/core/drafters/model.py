@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,11 +11,11 @@ from .. import caches, hooks, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import hidden_states
-from .base import DistFn, Proposal
+from .base import Distribution, Drafter, Proposal
 from .pruned import PrunedHead
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """A small autoregressive model with its own cache.
 
     The cache always holds the context except `pending`, the ids not yet fed: normally the
@@ -85,11 +84,11 @@ class ModelDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         # No host sync between draft steps (but adaptive length's): each token feeds the next.
         self._catch_up()
         self._base = caches.length(self.cache)
-        greedy = getattr(dist, "greedy", False)
+        greedy = dist.greedy
         columns = () if self.head is None else (self.head.lookup,)
         tokens, probs = [], []
         inputs = mx.array(self.pending, dtype=mx.int32)
@@ -97,7 +96,7 @@ class ModelDrafter:
             with caches.forward(self.cache, inputs.size, rewindable=True):
                 logits = self._logits(inputs)
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, i, *columns)
+            q = dist.probs(logits, drafted, i, *columns)
             # Greedy q is the one-hot of its argmax: the draft is that id, q a point mass.
             index = mx.argmax(q, axis=-1).astype(mx.uint32) if greedy else sample(q, subkey)
             token = index if self.head is None else self.head.ids[index]
@@ -180,7 +179,7 @@ class ModelDrafter:
         return tree.grow(shape, expand, mx.softmax(logits[:, : self.vocab_size], axis=-1))
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # Keep the pending ids and the accepted nodes the draft was fed (a prefix of the path).
         fed = [t.origin[a] for a in accepted if t.origin[a] in self._fed]

@@ -18,8 +18,6 @@ from) and applies the exact rule (verify.accept).
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
@@ -30,7 +28,7 @@ from .. import caches, tree
 from ..caches import DraftState
 from ..sampling import sample
 from ..target import language_model, output_head
-from .base import DistFn, Proposal
+from .base import Distribution, Drafter, Proposal
 
 # Draft confidence (its own probability of the token, temperature 1) below which adaptive drafting
 # stops a proposal early (as the EAGLE drafter: a doubtful token is rarely accepted).
@@ -39,7 +37,7 @@ STOP_BELOW = 0.3
 PILE = 64
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     """Drafter protocol (drafters/base.py) over the target's MTP heads (models/mtp.py MtpHead:
     head(hidden, embeds, mask, cache) -> out; out_norm; optional own embed / head)."""
 
@@ -103,7 +101,7 @@ class MtpDrafter:
     def label(self) -> None:
         return None
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         n_ctx = len(self.ids)
         if self.pend[0] is None:  # cannot happen after the loop's first plain step
             raise ModelError("the MTP heads have no target hidden state to draft from")
@@ -121,7 +119,7 @@ class MtpDrafter:
             last, last_j = out[-1:], j
             logits = self._logits(j, last)
             drafted = mx.concatenate(tokens) if tokens else None
-            q = dist(logits, drafted, d - 1)
+            q = dist.probs(logits, drafted, d - 1)
             token = sample(q, subkey)
             tokens.append(token)
             probs.append(q)
@@ -160,7 +158,7 @@ class MtpDrafter:
         return tree.grow(shape, expand, probs(outs[-1]))
 
     def commit_tree(
-        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: Any = None
+        self, t: tree.Tree, accepted: list[int], emitted: list[int], hidden: mx.array | None = None
     ) -> None:
         # The tree's rows go; the target's states of the kept ids are queued (as commit).
         self.commit(len(t), len(accepted), emitted, hidden)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import DistFn, Proposal
+from .base import Distribution, Drafter, Proposal
 
 # Labels of copied proposals: the length of the context's match, in these buckets (a bucket
 # is named by its shortest length). Longer matches are followed far more often, so each bucket
@@ -20,7 +20,7 @@ def match_label(length: int) -> int:
     return max((b for b in MATCH_BUCKETS if b <= length), default=0)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: find the most recent earlier occurrence of the last n ids (longest n
     first) in the context and propose what followed it. Proposals are point masses (q = None).
 
@@ -89,7 +89,7 @@ class NgramDrafter:
     def label(self) -> int:
         return match_label(self.lookup(1)[1])
 
-    def propose(self, k: int, dist: DistFn, key: mx.array) -> Proposal:
+    def propose(self, k: int, dist: Distribution, key: mx.array) -> Proposal:
         tokens, _ = self.lookup(k)
         return Proposal(mx.array(tokens, dtype=mx.int32), None)
 
