@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from ..base import switches
 from ..base.errors import ModelError
@@ -29,10 +29,8 @@ from ..models.compat import check_tokenizers
 from ..models.eagle3_export import is_draft as is_eagle3_draft
 from ..models.mtp import drafter_factory as mtp_factory
 from ..models.store import resolve_model
+from .loaded_pair import Pair
 from .loading import checked_caches, embedding_rows, load_model
-
-if TYPE_CHECKING:
-    from .pair import Pair
 
 # A fresh drafter for one generation; its argument says whether K is adaptive.
 DrafterFactory = Callable[[bool], Drafter]

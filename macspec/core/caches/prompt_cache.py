@@ -28,7 +28,7 @@ import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -39,9 +39,6 @@ from ...base.errors import CacheError
 from .recurrent import RecurrentCache
 from .rewind import TRIMMABLE, Layer, layers, length
 from .window import WindowKVCache
-
-if TYPE_CHECKING:  # (the drafters import the caches: typing alone here)
-    from ..drafters.base import Drafter
 
 # A drafter's extra state: nested lists, tuples and dicts of arrays (mlx.utils' trees), any shape.
 PyTree = Any
@@ -146,6 +143,15 @@ def _arrays(cache: list) -> list:
 # ---------------------------------------------------------------- entries
 
 
+class Resumable(Protocol):
+    """What the prompt cache asks of a drafter (drafters/base.Drafter declares both; declared
+    here so that the caches, which the drafters import, import no drafter)."""
+
+    state_kind: str | None | bool  # the kind of state it keeps; False: it cannot resume
+
+    def snapshot(self) -> DraftState | None: ...
+
+
 @dataclass
 class Entry:
     ids: np.ndarray  # the context the states belong to (may run past the target's cache)
@@ -227,7 +233,7 @@ class PromptCache:
         with self._lock:
             self._entries.clear()
 
-    def restore(self, prompt: list[int], drafter: Drafter | None, max_step: int) -> Hit | None:
+    def restore(self, prompt: list[int], drafter: Resumable | None, max_step: int) -> Hit | None:
         """Copies of the states that let `prompt` skip the most ids (at most all but its last,
         which the first step reads), or None: prefill it all."""
         kind = _kind(drafter)
@@ -254,7 +260,7 @@ class PromptCache:
                     hit.draft = _restore_draft(e.draft, hit.draft_length)
         return hit
 
-    def save(self, ids: list[int], cache: list, drafter: Drafter | None) -> None:
+    def save(self, ids: list[int], cache: list, drafter: Resumable | None) -> None:
         """Keep the states after `ids` (the target's cache holds a prefix of them) as an entry,
         dropping the entries it makes useless (a prefix it can restore as well) and the least
         recently used ones beyond the caps."""
@@ -292,7 +298,7 @@ class PromptCache:
         return any(not isinstance(c, TRIMMABLE) for _, c in layers(cache))
 
 
-def _kind(drafter: Drafter | None) -> str | None | bool:
+def _kind(drafter: Resumable | None) -> str | None | bool:
     """The kind of state a drafter keeps (None: no drafter, or one rebuilt from the ids);
     False for a drafter that cannot resume from a kept state (no prompt cache then)."""
     if drafter is None:
