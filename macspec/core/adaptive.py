@@ -96,21 +96,24 @@ class Trees:
 
     A tree of shape s is priced, before it has run, like a chain of its depth that pays the
     calibrated pass over all its rows (no credit for the extra candidates: trees must earn
-    it); once run, by the tokens per second its recent rounds measured. Each shape is tried
-    again every PROBE_EVERY model rounds, so a change (a paragraph the draft knows) is
-    noticed; the first time after a few."""
+    it); once run, by the tokens per second its recent rounds measured. A shape the model
+    rounds pass over backs off as a losing K does (Backoff: tried again after 8 model rounds,
+    then 16, up to 32), so a change (a paragraph the draft knows) is noticed; the first try
+    comes after FIRST_PROBE rounds."""
 
     shapes: tuple[TreeShape, ...]
     speed: dict[TreeShape, Tally] = field(default_factory=dict)  # tokens / seconds
-    since: dict[TreeShape, int] = field(default_factory=dict)  # model rounds since it ran
+    backoffs: dict[TreeShape, Backoff] = field(default_factory=dict)
     last: TreeShape | None = None  # the shape of the round being run
 
     DECAY: ClassVar[float] = 0.9
-    PROBE_EVERY: ClassVar[int] = 32
     FIRST_PROBE: ClassVar[int] = 8
+    MAX_WAIT: ClassVar[int] = 32
 
     def __post_init__(self) -> None:
-        self.since = {s: self.PROBE_EVERY - self.FIRST_PROBE for s in self.shapes}
+        for s in self.shapes:  # each first tried after FIRST_PROBE model rounds
+            b = self.backoffs[s] = Backoff(self.FIRST_PROBE, self.MAX_WAIT)
+            b.left = self.FIRST_PROBE
 
     def tree_speed(self, s: TreeShape, arm: Arm, costs: Costs) -> float:
         seen = self.speed.get(s)
@@ -120,21 +123,26 @@ class Trees:
         return tokens / (s.depth * costs.draft_step + costs.pass_time(s.max_nodes))
 
     def choose(self, arm: Arm, costs: Costs, chain: float) -> Decision | None:
-        """A tree for this model round, where one is due or priced faster than the chain's
-        `chain` tokens a second; else None (the chain runs)."""
-        for s in self.shapes:
-            self.since[s] += 1
-        due = [s for s in self.shapes if self.since[s] > self.PROBE_EVERY]
+        """A tree for this model round, where one's probe is due or one is priced faster than
+        the chain's `chain` tokens a second; else None (the chain runs)."""
+        due = next((s for s in self.shapes if self.backoffs[s].due), None)
         best = max(self.shapes, key=lambda s: self.tree_speed(s, arm, costs))
         speed = self.tree_speed(best, arm, costs)
-        if not due and speed <= chain:
+        self.last = due or (best if speed > chain else None)
+        for s in self.shapes:  # a shape passed over rests, as a losing choice does
+            b = self.backoffs[s]
+            if s == self.last:
+                b.probe() if s == due else b.win()
+            elif b.resting:
+                b.skip()
+            elif not b.due:
+                b.lose()
+        if due is not None:
+            waited = self.backoffs[due].waited
+            return Decision(due, TREE_PROBE, f"after {waited} model rounds without it")
+        if self.last is None:
             return None
-        self.last = due[0] if due else best
-        self.since[self.last] = 0
-        if due:
-            return Decision(self.last, TREE_PROBE, f"every {self.PROBE_EVERY} model rounds")
-        ratio = speed / chain
-        return Decision(self.last, TREE, f"{ratio:.2f}x the best chain's speed")
+        return Decision(self.last, TREE, f"{speed / chain:.2f}x the best chain's speed")
 
     def observe(self, path: list[int], seconds: float) -> None:
         if self.last is not None:

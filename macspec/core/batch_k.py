@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from .adaptive import AdaptiveK
 from .observed import Observed
 from .policy import Costs, Label, Policy
+from .tally import Tally
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,13 @@ class PassPrices:
     one-row passes miss what a shared pass adds per row (each row's cache copied into the
     block, its mask), which on a CPU is a large part of a narrow pass."""
 
-    DECAY = 0.7  # the weight of the passes before the latest
+    DECAY = 0.7  # each earlier pass counts this much less than the one after it
 
     def __init__(self) -> None:
-        self.seen: dict[tuple[int, int], float] = {}
+        self.seen: dict[tuple[int, int], Tally] = {}
 
     def observe(self, rows: int, width: int, seconds: float) -> None:
-        old = self.seen.get((rows, width))
-        self.seen[rows, width] = (
-            seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
-        )
+        self.seen.setdefault((rows, width), Tally(self.DECAY)).add(seconds, 1.0)
 
     def pricing(
         self, costs: Costs, position: int, max_ids: int | None = None
@@ -80,7 +78,7 @@ class PassPrices:
 
         def one(rows: int, width: int) -> float:
             seen = self.seen.get((rows, width))
-            return seen if seen is not None else pass_time(costs, rows, width, position)
+            return seen.mean if seen is not None else pass_time(costs, rows, width, position)
 
         def price(rows: int, width: int) -> float:
             if max_ids is None or rows * width <= max_ids:

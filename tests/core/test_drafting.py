@@ -584,7 +584,7 @@ def test_trees_say_why_they_run():
     assert {d.reason for d in first} == {"priced to pay"}
     for shape in policy.trees.shapes:
         probe = policy.decide()
-        assert probe == Decision(shape, "tree probe", "every 32 model rounds")
+        assert probe == Decision(shape, "tree probe", "after 8 model rounds without it")
         policy.observe_tree(None, [1, 2, 3], 0.5)  # 4 tokens in half a plain step
     tree = policy.decide()
     assert isinstance(tree.k, TreeShape) and tree.reason == "tree priced faster"
