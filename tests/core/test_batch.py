@@ -18,7 +18,9 @@ from macspec.api.options import GenerationOptions
 from macspec.base.errors import CacheError
 from macspec.core import NgramDrafter, hooks
 from macspec.core.batch import shared_pass, shared_reason
+from macspec.core.batch_k import PassPrices
 from macspec.core.batch_rounds import PREFILL_CHUNK, BatchDriver, Row, row_rounds
+from macspec.core.tally import Tally
 from macspec.cpu.state import STATE
 
 PROMPTS = [
@@ -403,7 +405,9 @@ class Pricey(dict):
     """Pass prices where any pass wider than plain steps costs 100 s (and stays so)."""
 
     def get(self, key, default=None):
-        return 0.01 if key[1] == 1 else 100.0
+        price = Tally(PassPrices.DECAY)
+        price.add(0.01 if key[1] == 1 else 100.0, 1.0)
+        return price
 
 
 @pytest.mark.parametrize("wide", ["measured", "pricey"])
