@@ -10,9 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .. import cpu
 from ..base.errors import MacspecError, ModelError
 from ..core import caches, hooks
+from ..cpu import install_default
 
 log = logging.getLogger("macspec")
 
@@ -25,7 +25,7 @@ def load_model(
 
     # The CPU package's kernels in the core (plain mlx where they do not apply), also where this
     # model's layers are not switched (use_kernels off): sampling runs them all the same.
-    cpu.install_default()
+    install_default()
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a model directory: config.json is missing")
     if not list(path.glob("model*.safetensors")):

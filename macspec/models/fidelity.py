@@ -21,10 +21,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import cpu
 from ..base import logs
 from ..base.errors import MacspecError, ModelError, OptionError
 from ..core import hooks
+from ..cpu import install_default
 from .store import DATA
 
 log = logging.getLogger("macspec.models")
@@ -143,7 +143,7 @@ def load_model(path: Path) -> tuple[nn.Module, object]:
     """(model, tokenizer) of a model directory as macspec runs it (the backend's kernels)."""
     from mlx_lm.utils import load as mlx_load
 
-    cpu.install_default()  # as macspec.load does (api/loading.py)
+    install_default()  # as macspec.load does (api/loading.py)
     try:
         model, tokenizer = mlx_load(str(path))
     except MacspecError:

@@ -20,17 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import data as macspec_data
 from ..base.errors import ConvertError, ModelError, OptionError
 from ..base.paths import models_dir
+from ..data import DIR as DATA
 from . import mtp
 
 # Store names: one path component, no leading dot (temporary entries start with a dot).
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 INFO_FILE = "macspec.json"  # what `macspec convert` records about a stored model
-# The shipped models (the repository's models/ folder, installed as the package `macspec.data`):
-# the catalog, the default draft. A real directory in every install, editable or not.
-DATA = Path(macspec_data.__file__).resolve().parent
+# DATA: the shipped models (the repository's models/ folder, installed as the package
+# `macspec.data`): the catalog, the default draft. A real directory in every install.
 CATALOG = DATA / "catalog.json"
 _TMP_PREFIX = ".tmp-"
 
