@@ -12,7 +12,6 @@ seeds by the tests' own builders (tests/support), so both runs use the same weig
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import tempfile
@@ -22,10 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import macspec  # noqa: E402  (after the path: the tests' builders import it too)
-from macspec.api import stream as api  # noqa: E402
-from macspec.api.options import GenerationOptions  # noqa: E402
-from macspec.core import NgramDrafter  # noqa: E402
-from macspec.core.batch_rounds import BatchDriver, Row, row_rounds  # noqa: E402
+from macspec.core.batch_rounds import BatchDriver  # noqa: E402
 
 PROMPTS = [
     "the cat sat on the mat",
@@ -79,38 +75,19 @@ def alone(pairs_: dict[str, macspec.Pair]) -> dict[str, list[int]]:
 
 
 def batched(pair: macspec.Pair) -> dict[str, list[int]]:
-    """Three rows (draft model, n-gram, plain) sharing passes, the third joining late."""
-    ngram, plain = copy.copy(pair), copy.copy(pair)
-    ngram.drafter_factory = lambda adaptive: NgramDrafter()
-    plain.drafter_factory = None
+    """Three rows (draft model, n-gram, plain) sharing passes from the first round."""
+    from support.batching import run_batch, variants
+
+    kinds = variants(pair)
     out = {}
     for t, opts in enumerate(SAMPLING[1:3]):
         driver = BatchDriver(pair.target, pair.vocab_size)
-        rows, answers = {}, {}
-        for i, (p, prompt) in enumerate(zip((pair, ngram, plain), PROMPTS, strict=True)):
-            made: dict = {}
-
-            def rounds(*args, made=made, **kwargs):
-                made["row"] = Row(row_rounds(*args, **kwargs))
-                return made["row"]
-
-            ids = api.prompt_ids(p, prompt)
-            stream = api._stream(
-                p, ids, GenerationOptions.from_kwargs(max_tokens=30, **opts), rounds
-            )
-            rows[i], answers[i] = (stream, made["row"]), []
-        while rows:
-            keys = list(rows)
-            for i, (_, got) in zip(keys, driver.round([rows[i][1] for i in keys]), strict=True):
-                if isinstance(got, Exception):
-                    raise got
-                if got is None:
-                    continue
-                event = next(rows[i][0])
-                answers[i] += event.emitted
-                if event.finish_reason:
-                    del rows[i]
-        for i, ids in answers.items():
+        requests = [
+            (kinds[kind], prompt, {"max_tokens": 30, **opts})
+            for kind, prompt in zip(("model", "ngram", "plain"), PROMPTS, strict=True)
+        ]
+        answers, _ = run_batch(driver, requests)
+        for i, ids in enumerate(answers):
             out[f"batch/opts{t}/row{i}"] = ids
     return out
 
