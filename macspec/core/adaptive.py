@@ -131,8 +131,10 @@ class Trees:
         self.last = due or (best if speed > chain else None)
         for s in self.shapes:  # a shape passed over rests, as a losing choice does
             b = self.backoffs[s]
-            if s == self.last:
-                b.probe() if s == due else b.win()
+            if s == due:
+                b.probe()  # runs now
+            elif s == self.last:
+                b.win()
             elif b.resting:
                 b.skip()
             elif not b.due:
