@@ -241,7 +241,7 @@ def test_bad_inputs_give_clear_errors(run, tmp_path, capsys):
     blocker.write_text("not a directory")
     with pytest.raises(OptionError, match="cannot write"):
         d.distill(str(target), str(blocker / "draft"), **SMALL_RUN)
-    with pytest.raises(OptionError, match="only 'eagle'"):
+    with pytest.raises(OptionError, match="choose eagle or eagle3"):
         d.distill(str(target), str(tmp_path / "o3"), kind="small", **SMALL_RUN)
     with pytest.raises(OptionError, match="tokens"):
         d.distill(str(target), str(tmp_path / "o4"), tokens=0)
@@ -430,7 +430,7 @@ def test_self_prompts_feed_the_data_and_lock_a_resumed_run(tmp_path):
     assert len(json.loads((work / "self-prompts.json").read_text())) == 5
     assert json.loads((work / "run.json").read_text())["self_prompts"] == 5
     assert json.loads((out / "report.json").read_text())["data"]["self_prompts"] == 5
-    with pytest.raises(OptionError, match="self_prompts"):
+    with pytest.raises(ModelError, match="self_prompts=5"):
         d.distill(str(target), str(tmp_path / "draft"), force=True, resume=True, **small)
     with pytest.raises(OptionError, match="self_prompts"):
         d.distill(str(target), str(tmp_path / "x"), self_prompts=-1, **small)

@@ -134,10 +134,24 @@ class EagleDraft(nn.Module):
             x = block(x, mask, cache=c)
         return x
 
+    def first_input(self, embeds: mx.array, state: mx.array) -> tuple[mx.array, mx.array]:
+        """The first decoder layer's residual stream and attention input (distill's unrolled
+        training runs the layers by hand)."""
+        x = self.fc(mx.concatenate([self.embed_norm(embeds), state], -1))
+        return x, self.layer.input_layernorm(x)
+
+    def recycle(self, out: mx.array) -> mx.array:
+        """The state the next drafted position reads: the prediction itself."""
+        return out
+
     def decode(self, out: mx.array) -> mx.array:
         """A standardised prediction back in the target's final-feature space (for its head)."""
         h = self.hidden_size
         return self.feature_mean[-h:] + self.feature_std[-h:] * out
+
+    def logits(self, out: mx.array, head: mx.array) -> mx.array:
+        """Logits over the draft's ids through `head`, the target's output rows for them."""
+        return self.decode(out) @ head.T
 
     def __call__(
         self, features: mx.array, embeds: mx.array, cache: list[KVCache] | None = None

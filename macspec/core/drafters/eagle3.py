@@ -78,12 +78,17 @@ class FirstLayer(nn.Module):
         self.hidden_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
         self.norm_before_residual = c.norm_before_residual
 
+    def inputs(self, embeds: mx.array, g: mx.array) -> tuple[mx.array, mx.array]:
+        """(the residual stream, the attention's input) of the layer."""
+        normed = self.hidden_norm(g)
+        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
+        return (normed if self.norm_before_residual else g), x
+
     def __call__(
         self, embeds: mx.array, g: mx.array, mask: mx.array | str | None, cache: KVCache | None
     ) -> mx.array:
-        normed = self.hidden_norm(g)
-        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)
-        h = (normed if self.norm_before_residual else g) + self.self_attn(x, mask, cache)
+        residual, x = self.inputs(embeds, g)
+        h = residual + self.self_attn(x, mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -152,13 +157,25 @@ class Eagle3Draft(nn.Module):
         x = self.layers[0](embeds, g, mask, cache[0])
         for layer, c in zip(self.layers[1:], cache[1:], strict=True):
             x = layer(x, mask, cache=c)
-        return self.norm(x) if self.recycle_normed else x
+        return self.recycle(x)
+
+    def first_input(self, embeds: mx.array, g: mx.array) -> tuple[mx.array, mx.array]:
+        """Layer 0's residual stream and attention input (distill's unrolled training)."""
+        return self.layers[0].inputs(embeds, g)
+
+    def recycle(self, out: mx.array) -> mx.array:
+        """The state the next drafted position reads of the last layer's output."""
+        return self.norm(out) if self.recycle_normed else out
 
     def decode(self, state: mx.array) -> mx.array:
         """What lm_head reads of a step's output."""
         if self.logits_norm and not self.recycle_normed:
             return self.norm(state)
         return state
+
+    def logits(self, state: mx.array, head: mx.array) -> mx.array:
+        """Logits over the draft's own vocabulary (`head`, the target's rows, is not read)."""
+        return self.decode(state) @ self.head_weight().T
 
 
 class DraftVocabParts:

@@ -13,26 +13,48 @@ from typing import Any
 import mlx.core as mx
 
 from ...api.pair import load
-from ...base.errors import OptionError, PromptError
+from ...base.errors import ModelError, OptionError, PromptError
 from ...core.drafters.eagle import TargetParts, draft_config
 from ...models.draft_files import load_draft, save_draft
+from ...models.eagle3_draft import load_draft as load_eagle3
+from ...models.eagle3_export import export
 from ...models.store import _looks_like_path, store_root, validate_name
 from .config import DistillConfig, add_arguments
+from .corpus import Row, corpus_data, corpus_rows
 from .data import (
     DATA_ROWS,
     Dataset,
     chat_ids,
+    choose_vocab,
     generate_data,
     parse_feature_layers,
     training_prompts,
 )
+from .eagle3_kind import FORMAT, eagle3_config, eagle3_taps, new_draft
 from .evaluation import agreement, draft_report
 from .progress import say
 from .self_prompts import self_prompts
 from .training import init_draft, start_draft, train
 
-# The settings a resumed run must share with the one that made its data (run.json).
-_DATA_SETTINGS = ("seed", "max_new", "rows", "prompts", "self_prompts", "feature_layers")
+# The settings a resumed run must share with the one that made its data and checkpoints
+# (run.json); tokens and epochs may grow.
+_LOCKED = (
+    "target",
+    "seed",
+    "max_new",
+    "rows",
+    "prompts",
+    "self_prompts",
+    "corpus",
+    "feature_layers",
+    "kind",
+    "layers",
+    "mlp",
+    "vocab",
+    "unroll",
+)
+# What a run.json written before a setting existed meant by its absence.
+_ABSENT = {"feature_layers": [], "self_prompts": 0, "corpus": None, "kind": "eagle", "mlp": None}
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,7 @@ class _Run:
     taps: tuple[int, ...]
     layers: int
     prompts: list[list[int]]
+    rows: list[Row]  # --corpus: the pieces of text the target reads (else empty)
     start_from: tuple[Any, list[int], Path] | None
     progress: bool
 
@@ -66,6 +89,8 @@ def distill(
     run = _prepare(target, output, DistillConfig.of(config, **options), progress)
     data, data_seconds = _sample(run)
     shape = draft_config(run.pair.target, run.taps, run.layers)
+    if run.config.mlp is not None:
+        shape["intermediate_size"] = run.config.mlp
     draft, vocab_ids, facts = _train(run, data, shape)
     staged = _stage(run, draft, vocab_ids, shape)
     say("evaluating on the built-in prompts (held out from training)")
@@ -107,14 +132,23 @@ def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _R
         )
     pair = load(target)  # raises ModelError for a missing target
     start_from = None if cfg.init is None else init_draft(cfg.init, pair)
-    taps = _taps(cfg.feature_layers, pair, start_from)
+    taps = _taps(cfg.feature_layers, pair, start_from, cfg.kind)
     layers = _layers(cfg.layers, start_from)
-    ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
-    fits = _fitting(ids, cfg, pair)
-    if not fits:
-        raise PromptError(f"no training prompt fits the target's context of {pair.context_length}")
+    if cfg.corpus is not None:  # raises ModelError for a missing or empty corpus
+        rows = corpus_rows(pair, cfg.corpus, cfg.tokens, cfg.max_new, cfg.seed)
+        fits: list[list[int]] = []
+        rows = [r for r in rows if len(r.prompt) + len(r.text) < pair.context_length]
+        if not rows:
+            raise PromptError(f"no corpus piece fits the target's context of {pair.context_length}")
+    else:
+        ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
+        fits, rows = _fitting(ids, cfg, pair), []
+        if not fits:
+            raise PromptError(
+                f"no training prompt fits the target's context of {pair.context_length}"
+            )
     _writable(work)
-    run = _Run(cfg, pair, out, work, taps, layers, fits, start_from, progress)
+    run = _Run(cfg, pair, out, work, taps, layers, fits, rows, start_from, progress)
     _record(run)
     return run
 
@@ -124,12 +158,16 @@ def _fitting(ids: list[list[int]], cfg: DistillConfig, pair: Any) -> list[list[i
     return [p for p in ids if len(p) + cfg.max_new < pair.context_length]
 
 
-def _taps(feature_layers: str | None, pair: Any, start_from: tuple | None) -> tuple[int, ...]:
+def _taps(
+    feature_layers: str | None, pair: Any, start_from: tuple | None, kind: str
+) -> tuple[int, ...]:
     """The target layers the draft reads: the option's, else "auto", or the --init draft's."""
     if feature_layers is None:
         feature_layers = "auto" if start_from is None else "init"
     if feature_layers == "init":
         return tuple(start_from[0].feature_layers)
+    if feature_layers == "auto" and kind == "eagle3":
+        return eagle3_taps(len(pair.target.model.layers))
     taps = parse_feature_layers(feature_layers, len(pair.target.model.layers))
     if start_from is not None and start_from[0].feature_layers not in ((), taps):
         raise OptionError(
@@ -160,8 +198,11 @@ def _record(run: _Run) -> None:
         "rows": DATA_ROWS,
         "prompts": len(run.prompts),
         "self_prompts": cfg.self_prompts,
+        "corpus": None if cfg.corpus is None else str(Path(cfg.corpus).expanduser().resolve()),
         "feature_layers": list(run.taps),
+        "kind": cfg.kind,
         "layers": run.layers,
+        "mlp": cfg.mlp,
         "vocab": cfg.vocab,
         "unroll": cfg.unroll,
         "epochs": cfg.epochs,
@@ -173,15 +214,12 @@ def _record(run: _Run) -> None:
     run_file = run.work / "run.json"
     if run_file.is_file():
         before = json.loads(run_file.read_text())
-        changed = [
-            k
-            for k in _DATA_SETTINGS
-            if before.get(k, {"feature_layers": [], "self_prompts": 0}.get(k)) != settings[k]
-        ]
+        changed = [k for k in _LOCKED if before.get(k, _ABSENT.get(k)) != settings[k]]
         if changed:
-            raise OptionError(
-                f"{run.work} was made with other settings ({', '.join(changed)}); "
-                "delete it to restart"
+            was = ", ".join(f"{k}={before.get(k, _ABSENT.get(k))!r}" for k in changed)
+            raise ModelError(
+                f"{run_file} was made with other settings ({was}); resume with those, or "
+                "delete the directory to restart"
             )
     run_file.write_text(json.dumps(settings, indent=1))
 
@@ -197,6 +235,18 @@ def _sample(run: _Run) -> tuple[Dataset, float]:
             run.pair, cfg.self_prompts, run.work, seed=cfg.seed, progress=run.progress
         )
         prompts = prompts + _fitting(chat_ids(run.pair, texts), cfg, run.pair)
+    if run.rows:
+        say(f"{run.pair.target_path.name} reads {cfg.tokens} ids of {cfg.corpus}")
+        _, shards = corpus_data(
+            run.pair,
+            run.rows,
+            run.work / "data",
+            tokens=cfg.tokens,
+            taps=run.taps,
+            progress=run.progress,
+        )
+        seconds = time.perf_counter() - start
+        return Dataset(run.work / "data", cfg.max_new, shards, layers=bool(run.taps)), seconds
     say(f"sampling {cfg.tokens} tokens from {run.pair.target_path.name} into {run.work / 'data'}")
     _, shards = generate_data(
         run.pair,
@@ -223,8 +273,14 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
     cfg, pair = run.config, run.pair
     train_rows, held = data.split()
     mx.random.seed(cfg.seed)
-    draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from)
-    parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+    if cfg.kind == "eagle3":
+        vocab_ids = choose_vocab(data, cfg.vocab, set(pair.eos_token_ids), pair.vocab_size)
+        parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+        config = eagle3_config(pair, run.taps, run.layers, cfg.mlp, vocab_ids)
+        draft = new_draft(config, run.taps, data, parts.head)
+    else:
+        draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from)
+        parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
     before = agreement(draft, parts, data, held, cfg.unroll)
     start = time.perf_counter()
     facts = train(
@@ -236,6 +292,9 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
         batch_rows=cfg.batch_rows,
         lr=cfg.lr,
         seed=cfg.seed,
+        # The eagle kind predicts the target's features (and is read through its head); an
+        # EAGLE-3 draft has its own head and is trained on the distribution alone, as published.
+        reg_weight=0.0 if cfg.kind == "eagle3" else 1.0,
         unroll=cfg.unroll,
         resume=cfg.resume,
         progress=run.progress,
@@ -248,6 +307,7 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
         draft,
         vocab_ids,
         {
+            "kind": cfg.kind,
             "init": _init_name(run),
             "training": {**facts, "seconds": round(seconds, 1)},
             "agreement": {"before": before, "after": after},
@@ -260,6 +320,13 @@ def _stage(run: _Run, draft: Any, vocab_ids: list[int], shape: dict) -> Path:
     pair = run.pair
     staged = run.work / "draft"
     shutil.rmtree(staged, ignore_errors=True)
+    if run.config.kind == "eagle3":
+        # Written as a published draft and read back by the code that runs downloaded ones.
+        export(draft.checkpoint(vocab_ids), staged, FORMAT, dtype="float16")
+        _copy_tokenizer(pair.target_path, staged)
+        pair.drafter_factory = load_eagle3(staged, pair)
+        pair.drafter_kind = "eagle3"
+        return staged
     extra = {"target": pair.target_path.name, "seed": run.config.seed}
     save_draft(staged, draft, vocab_ids, shape, extra)
     _copy_tokenizer(pair.target_path, staged)

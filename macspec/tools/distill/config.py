@@ -13,6 +13,8 @@ from typing import Any
 from ...api.options import check_count
 from ...base.errors import OptionError
 
+KINDS = ("eagle", "eagle3")
+
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, **cli})
@@ -30,9 +32,21 @@ class DistillConfig:
     the `init` draft's; more than that draft's adds layers that start as the identity
     (training.deepen_draft)."""
 
-    kind: str = _opt("eagle", "draft kind", choices=("eagle",))
-    tokens: int = _opt(60_000, "target tokens to sample")
+    kind: str = _opt(
+        "eagle",
+        "draft kind: eagle (macspec's own layout) or eagle3 (written as a published EAGLE-3 "
+        "draft, vLLM speculators' layout)",
+        choices=KINDS,
+    )
+    tokens: int = _opt(60_000, "target tokens to sample (with --corpus: ids of text to read)")
     prompts: str | None = _opt(None, "extra training prompts (text/JSON/JSONL)")
+    corpus: str | None = _opt(
+        None,
+        "teacher-forced data from text files (a directory or one file) instead of sampled "
+        "continuations: the target reads each piece of --max-new ids as its answer, at prefill "
+        "speed",
+        metavar="DIR|FILE",
+    )
     self_prompts: int = _opt(
         0, "training prompts the target writes itself (Magpie: its chat template's open user turn)"
     )
@@ -42,7 +56,7 @@ class DistillConfig:
     batch_rows: int = _opt(16, "sequences per training step")
     lr: float = _opt(1e-3, "peak learning rate (AdamW)")
     vocab: int = _opt(8192, "ids the draft may propose (most frequent); 0 = all")
-    max_new: int = _opt(128, "tokens sampled per continuation")
+    max_new: int = _opt(128, "tokens sampled per continuation (with --corpus: ids per piece)")
     unroll: int = _opt(2, "training passes on the draft's own predicted features")
     feature_layers: str | None = _opt(
         None,
@@ -56,6 +70,11 @@ class DistillConfig:
         "that start as the identity)",
         type=int,
     )
+    mlp: int | None = _opt(
+        None,
+        "MLP width of the draft's decoder layers (default the target's); smaller is cheaper",
+        type=int,
+    )
     eval_tokens: int = _opt(96, "tokens per evaluation prompt")
     init: str | None = _opt(
         None,
@@ -65,15 +84,19 @@ class DistillConfig:
     force: bool = _opt(False, "replace an existing output")
 
     def __post_init__(self) -> None:
-        if self.kind != "eagle":
+        if self.kind not in KINDS:
             raise OptionError(
-                f"unknown kind {self.kind!r}: only 'eagle' is implemented (a from-scratch 'small' "
+                f"unknown kind {self.kind!r}: choose {' or '.join(KINDS)} (a from-scratch 'small' "
                 "draft reached 0.35 agreement on this budget, see macspec/core/drafters/eagle.py)"
             )
+        if self.kind == "eagle3" and self.init is not None:
+            raise OptionError("--init continues eagle drafts only, not kind='eagle3'")
         for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
             check_count(name, getattr(self, name), 1)
         if self.layers is not None:
             check_count("layers", self.layers, 1)
+        if self.mlp is not None:
+            check_count("mlp", self.mlp, 1)
         check_count("self_prompts", self.self_prompts, 0)
 
     @classmethod

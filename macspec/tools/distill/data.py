@@ -279,10 +279,17 @@ class Dataset:
                 hid = np.concatenate([tapped.reshape(*tapped.shape[:2], -1), hid], axis=-1)
             starts, ends = np.array(arrays["starts"]), np.array(arrays["ends"])
             width = toks.shape[1] - max_new
+            # Corpus shards (corpus.py) say where each row's loss starts and which file it is.
+            first = np.array(arrays["first"]) if "first" in arrays else None
+            group = np.array(arrays["group"]).view(np.uint32) if "group" in arrays else None
             for r in range(toks.shape[0]):
                 s, e = int(starts[r]), int(ends[r])
                 self.ids.append(toks[r, s:e])
                 self.feats.append(hid[r, s:e])
+                if first is not None and group is not None:
+                    self.first.append(int(first[r]))
+                    self.prompt.append(int(group[r]))
+                    continue
                 # Draft position t predicts x_{t+2}; the answer starts at x_width.
                 self.first.append(max(0, width - 2 - s))
                 # A prompt's number is a hash of its ids, not its order of appearance, so the same

@@ -28,8 +28,8 @@ def agreement(draft: Any, parts: Any, data: Dataset, rows: list[int], unroll: in
         embeds = parts.embed(nxt)
         best = mx.argmax(target.reshape(-1, h)[where] @ parts.head.T, axis=-1)
         for step, pred in enumerate(unrolled(draft, draft.state(feats), embeds, unroll)):
-            g = draft.decode(pred.reshape(-1, h)[where])
-            hit = (mx.argmax(g @ parts.head.T, axis=-1) == best).sum()
+            state = pred.reshape(-1, pred.shape[-1])[where]
+            hit = (mx.argmax(draft.logits(state, parts.head), axis=-1) == best).sum()
             if len(out) <= step:
                 out.append([0.0, 0.0])
             out[step][0] += hit.item()
@@ -184,7 +184,7 @@ def draft_report(
     """report.json: the run's `facts` (init, data, training, agreement), the vocabulary's
     coverage, the draft's size and the end-to-end evaluation, headed by the summary."""
     report = {
-        "kind": "eagle",
+        "kind": facts.get("kind", "eagle"),
         "target": pair.target_path.name,
         "init": facts["init"],
         "data": {"tokens": data.tokens(), "rows": len(data), **facts["data"]},

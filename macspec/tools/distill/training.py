@@ -42,12 +42,13 @@ def _loss(
     best = mx.argmax(p, axis=-1)
     total, agree = mx.array(0.0), mx.array(0.0)
     for step, out in enumerate(unrolled(draft, draft.state(feats), embeds, unroll)):
-        gk = draft.decode(out.reshape(-1, h)[where])
-        logq = log_softmax(gk @ head.T)
-        ce = -(p * logq).sum(-1)
-        diff = mx.abs(gk - tgt) / draft.feature_std[-h:]  # in standardised units
-        reg = mx.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)  # smooth L1
-        total = total + (ce + reg_weight * reg).mean()
+        out = out.reshape(-1, out.shape[-1])[where]
+        logq = log_softmax(draft.logits(out, head))
+        loss = -(p * logq).sum(-1)
+        if reg_weight:  # the eagle kind predicts the target's features: regress them too
+            diff = mx.abs(draft.decode(out) - tgt) / draft.feature_std[-h:]  # standardised
+            loss = loss + reg_weight * mx.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)
+        total = total + loss.mean()
         if step == 0:
             agree = (mx.argmax(logq, axis=-1) == best).mean()
     return total / unroll, agree
@@ -64,7 +65,6 @@ def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[
     r = 1..s (the positions this proposal fed). Attending to all of step s's own keys instead
     would train later positions on contexts of nothing but guesses, which drafting never sees."""
     b, n, _ = embeds.shape
-    e = draft.embed_norm(embeds)
     pos = mx.arange(n)
     blocks = draft.blocks
     keys: list[list[mx.array]] = [[] for _ in blocks]  # per layer, per step
@@ -80,14 +80,16 @@ def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[
         return mx.concatenate([mx.zeros_like(x[:, :, :by]), x[:, :, : n - by]], axis=2)
 
     for s in range(steps):
-        x = draft.fc(mx.concatenate([e, state], axis=-1))
         # Real keys up to the anchor (at least key 0, so rows without an anchor stay finite;
         # their positions carry no loss).
         real = pos[None, :] <= mx.maximum(pos[:, None] - s, 0)
-        for block, ks, vs in zip(blocks, keys, values, strict=True):
+        for i, (block, ks, vs) in enumerate(zip(blocks, keys, values, strict=True)):
             attn = block.self_attn
             repeat = attn.n_heads // attn.n_kv_heads
-            h = block.input_layernorm(x)
+            if i == 0:
+                x, h = draft.first_input(embeds, state)
+            else:
+                h = block.input_layernorm(x)
             q = attn.rope(heads(attn.q_proj(h), attn.n_heads)) * attn.scale
             ks.append(mx.repeat(attn.rope(heads(attn.k_proj(h), attn.n_kv_heads)), repeat, axis=1))
             vs.append(mx.repeat(heads(attn.v_proj(h), attn.n_kv_heads), repeat, axis=1))
@@ -106,7 +108,7 @@ def unrolled(draft: Any, state: mx.array, embeds: mx.array, steps: int) -> list[
             x = x + block.mlp(block.post_attention_layernorm(x))
         outs.append(x)
         # Position t's next state: this step's prediction made at t - 1.
-        state = mx.concatenate([state[:, :1], x[:, :-1]], axis=1)
+        state = mx.concatenate([state[:, :1], draft.recycle(x)[:, :-1]], axis=1)
     return outs
 
 

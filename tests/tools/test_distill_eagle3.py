@@ -1,0 +1,234 @@
+"""`macspec distill --corpus` (teacher-forced data from text files) and `--kind eagle3` (a draft
+in EAGLE-3's published architecture, written in vLLM speculators' layout and loaded back by the
+code that runs downloaded drafts), on a tiny target."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from support.exactness import chi_square, exact_joint, sample_prefixes
+from support.tinymodels import make_tiny_model
+
+import macspec
+from macspec.base.errors import ModelError, OptionError
+from macspec.core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter
+from macspec.models.eagle3 import detect, load
+from macspec.tools import distill as d
+from macspec.tools.distill.corpus import corpus_rows
+from macspec.tools.distill.data import Dataset
+from macspec.tools.distill.eagle3_kind import eagle3_taps
+from macspec.tools.distill.training import unrolled
+
+RUN = {"max_new": 48, "eval_tokens": 8, "progress": False, "vocab": 40, "lr": 1e-2}
+
+
+def _corpus(root, files=200, chars="abcde "):
+    """Many small text files (the tiny tokenizer's own characters), one in a subdirectory, and
+    a file that is not text."""
+    rng = np.random.default_rng(0)
+    corpus = root / "corpus"
+    (corpus / "pkg").mkdir(parents=True)
+    words = ["".join(rng.choice(list(chars.strip()), 3)) for _ in range(12)]
+    for n in range(files):
+        text = " ".join(rng.choice(words, 12 + n % 7)) + "\n"
+        (corpus / ("pkg" if n == 0 else "") / f"note{n}.txt").write_text(text)
+    (corpus / "image.png").write_bytes(bytes(range(256)) * 4)  # not text: skipped by suffix
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distill-eagle3")
+    target = make_tiny_model(root / "target", seed=0, hidden=48, tie=False, scale=2.0, context=512)
+    corpus = _corpus(root)
+    out = d.distill(
+        str(target),
+        str(root / "draft"),
+        kind="eagle3",
+        corpus=str(corpus),
+        tokens=2500,
+        epochs=6,
+        **RUN,
+    )
+    return target, corpus, out
+
+
+def test_the_draft_is_a_published_eagle3_checkpoint_loaded_as_one(run):
+    target, _, out = run
+    config = json.loads((out / "config.json").read_text())
+    assert detect(out) == "speculators" and config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == 40
+    ckpt = load(out)  # the reader of downloaded drafts: d2t / t2d checked there
+    assert ckpt.d2t.shape == (40,) and len(set(ckpt.d2t.tolist())) == 40
+    pair = macspec.load(str(target), str(out), drafter="model")
+    assert isinstance(pair.make_drafter(False), Eagle3Drafter)
+    report = json.loads((out / "report.json").read_text())
+    assert report["kind"] == "eagle3" and report["data"]["tokens"] > 2000
+
+
+@pytest.mark.parametrize("drafter", ["model", None], ids=["model", "hybrid"])
+@pytest.mark.parametrize("shape", [None, "tree"])
+def test_greedy_equals_plain_with_the_distilled_draft(run, drafter, shape):
+    target, _, out = run
+    pair = macspec.load(str(target), str(out), drafter=drafter)
+    assert pair.drafter_kind == ("eagle3" if drafter else "eagle3+ngram")
+    plain = macspec.generate(pair, [3, 9, 4, 7], max_tokens=40, speculative=False).tokens
+    opts = {"tree_nodes": 6} if shape else {"num_draft": 3}
+    spec = macspec.generate(pair, [3, 9, 4, 7], max_tokens=40, **opts).tokens
+    assert spec == plain
+
+
+def test_training_raised_held_out_agreement(run):
+    report = json.loads((run[2] / "report.json").read_text())
+    before, after = report["agreement_top1_by_position"].values()
+    assert after[0] > before[0] + 0.2 and after[1] > before[1] + 0.1, (before, after)
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    """A target of 9 output rows (7 the tokenizer knows) and a distilled draft knowing 5."""
+    root = tmp_path_factory.mktemp("eagle3-small")
+    kw = {"chars": "abcd", "scale": 8.0, "vocab_rows": 9, "tie": False, "layers": 8}
+    target = make_tiny_model(root / "target", seed=3, **kw)
+    corpus = _corpus(root, files=20, chars="abcd ")
+    small = {**RUN, "vocab": 5, "tokens": 1000, "epochs": 2, "eval_tokens": 4}
+    draft = d.distill(str(target), str(root / "draft"), kind="eagle3", corpus=str(corpus), **small)
+    pair = macspec.load(str(target), str(draft), drafter="model")
+    pair.eos_token_ids = frozenset()  # every sequence has the full length: exact tables
+    return pair
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_distribution_at_temperature_one_with_the_reduced_vocabulary(
+    small_pair, broken, monkeypatch
+):
+    pair = small_pair
+    assert pair.make_drafter(False).parts.vocab_ids.size < pair.vocab_size
+    if broken:  # q reported one target id above where it was drawn: must be caught
+
+        def off_by_one(self, small):
+            full = mx.zeros((small.shape[0], self.vocab_size), dtype=mx.float32)
+            ids = (self.parts.vocab_ids[None] + 1) % self.vocab_size
+            return mx.put_along_axis(full, mx.broadcast_to(ids, small.shape), small, axis=-1)
+
+        monkeypatch.setattr(Eagle3Drafter, "_full", off_by_one)
+    prompt = [3, 4, 5, 3]
+    expected = exact_joint(pair, prompt, 3, temperature=1.0)
+    counts = sample_prefixes(pair, prompt, 3, 600, num_draft=2, adaptive=False, temperature=1.0)
+    p = chi_square(expected, counts)
+    assert (p < 1e-3) if broken else (p > 1e-3), p
+
+
+def test_export_folds_the_feature_scale_into_fc_exactly(tmp_path):
+    from macspec.tools.distill.eagle3_kind import TrainableEagle3, eagle3_config
+
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=4)
+    pair = macspec.load(str(target))
+    taps = eagle3_taps(4)
+    config = eagle3_config(pair, taps, 1, 64, list(range(30)))
+    width = (len(taps) + 1) * 48
+    scale = mx.exp(mx.random.normal((width,), key=mx.random.key(1)) * 3)  # spread like outliers
+    trained = TrainableEagle3(config, taps, scale)
+    published = Eagle3Draft(config, taps, tuple(range(len(taps))))
+    published.load_weights(list(trained.checkpoint(list(range(30))).weights.items()), strict=True)
+    features = mx.random.normal((1, 5, width), key=mx.random.key(2)) * scale
+    assert mx.allclose(trained.state(features), published.state(features), rtol=1e-4, atol=1e-4)
+
+
+def test_unrolled_eagle3_steps_attend_as_drafting_does(tmp_path):
+    """Training's unrolled steps equal what the EAGLE-3 drafter computes with its cache."""
+    from mlx_lm.models.cache import KVCache
+
+    from macspec.core.target import hidden_states
+    from macspec.tools.distill.eagle3_kind import TrainableEagle3, eagle3_config
+
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=4)
+    pair = macspec.load(str(target))
+    taps = eagle3_taps(4)
+    mx.random.seed(3)
+    width = (len(taps) + 1) * 48
+    draft = TrainableEagle3(eagle3_config(pair, taps, 2, 64, list(range(30))), taps, mx.ones(width))
+    ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
+    feats = hidden_states(pair.target, ids[:-1], None, taps)[None]
+    embeds = pair.target.model.embed_tokens(ids[1:])[None]
+    outs = unrolled(draft, draft.state(feats), embeds, 3)
+    for anchor in (0, 2, 5):
+        cache = [KVCache() for _ in range(2)]
+        out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
+        out = out[:, -1:]
+        assert mx.allclose(out[0, 0], outs[0][0, anchor], atol=1e-4).item()
+        for s in (1, 2):
+            t = anchor + s
+            out = draft.step(out, embeds[:, t : t + 1], cache)
+            assert mx.allclose(out[0, 0], outs[s][0, t], atol=1e-4).item(), (anchor, s)
+
+
+def test_corpus_shards_hold_whole_files_out_and_count_the_text_only(run):
+    target, corpus, out = run
+    work = out.parent / f".distill-{out.name}"
+    data = Dataset(work / "data", 48, layers=True)
+    pair = macspec.load(str(target))
+    rows = corpus_rows(pair, str(corpus), 4000, 48, 0)
+    # Loss counts from the first id of text: position t predicts id t + 2.
+    for r, row in zip(range(len(data)), rows, strict=False):
+        assert data.first[r] == len(row.prompt) - 2
+        assert data.ids[r].tolist() == row.prompt + row.text
+    train, held = data.split(every=3)
+    assert held and train
+    held_groups = {data.prompt[r] for r in held}
+    assert not held_groups & {data.prompt[r] for r in train}  # a file is held out whole
+    assert np.isfinite(data.feats[0]).all()
+
+
+def test_corpus_rows_are_seeded_and_grow_with_tokens(tmp_path):
+    target = make_tiny_model(tmp_path / "t", seed=0, hidden=32)
+    pair = macspec.load(str(target))
+    corpus = _corpus(tmp_path)
+    few = corpus_rows(pair, str(corpus), 300, 40, seed=1)
+    more = corpus_rows(pair, str(corpus), 900, 40, seed=1)
+    assert more[: len(few)] == few and len(more) > len(few)
+    assert corpus_rows(pair, str(corpus), 300, 40, seed=2) != few
+    assert all(32 <= len(r.text) <= 40 for r in more)
+    assert {r.group for r in more} > {r.group for r in few}
+
+
+def test_bad_corpora_and_resumes_are_refused_by_name(run, tmp_path):
+    target, corpus, out = run
+    small = {**RUN, "tokens": 200, "epochs": 1}
+    with pytest.raises(ModelError, match="nowhere.*does not exist"):
+        d.distill(str(target), str(tmp_path / "a"), corpus=str(tmp_path / "nowhere"), **small)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "x.bin").write_bytes(b"\0\1")
+    with pytest.raises(ModelError, match="holds no text files"):
+        d.distill(str(target), str(tmp_path / "b"), corpus=str(empty), **small)
+    (empty / "blank.txt").write_text("  \n")
+    with pytest.raises(ModelError, match="holds no text"):
+        d.distill(str(target), str(tmp_path / "c"), corpus=str(empty), **small)
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    # A resumed run with other options: refused naming run.json and the setting.
+    with pytest.raises(ModelError, match=r"run\.json.*kind='eagle3'"):
+        d.distill(
+            str(target),
+            str(out),
+            corpus=str(corpus),
+            force=True,
+            resume=True,
+            tokens=4000,
+            **{**RUN, "epochs": 1},
+        )
+    other = make_tiny_model(tmp_path / "other", seed=1, hidden=48, tie=False, context=512)
+    with pytest.raises(ModelError, match="target="):
+        d.distill(
+            str(other),
+            str(out),
+            kind="eagle3",
+            corpus=str(corpus),
+            force=True,
+            resume=True,
+            tokens=4000,
+            **{**RUN, "epochs": 1},
+        )
+    with pytest.raises(OptionError, match="--init continues eagle drafts only"):
+        d.distill(str(target), str(tmp_path / "d"), kind="eagle3", init=str(out), **small)
