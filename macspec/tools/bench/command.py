@@ -26,6 +26,7 @@ from ...api.stream import prompt_ids
 from ...base import platform_info as be
 from ...base.errors import OptionError
 from ..prompts import KINDS, Prompt, with_context
+from .lengths import LengthRun, format_lengths, length_events
 from .llamacpp import LLAMACPP, LlamaCpp, check_vocabulary, unavailable
 from .plan import (
     DEFAULT_METHODS,
@@ -53,6 +54,18 @@ def bench(*args: Any, quiet: bool = False, progress: Any = None, **kwargs: Any) 
     written to OUTPUT/bench.json. `progress` is called with every event (default: lines on
     stderr, none with `quiet`); unless `quiet`, the table is printed at the end."""
     return consume(bench_events(*args, **kwargs), format_table, quiet, progress)
+
+
+def bench_lengths(
+    run: LengthRun,
+    output: str | Path | None = None,
+    charts: bool = True,
+    quiet: bool = False,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """`macspec bench --prompt-lengths` (lengths.py): as `bench`, its table printed unless
+    `quiet`; the result also written to OUTPUT/bench.json."""
+    return consume(length_events(run, output, charts), format_lengths, quiet, progress)
 
 
 def consume(
@@ -264,6 +277,8 @@ def _meta(
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.serve and args.prompt_lengths:
+        raise OptionError("--prompt-lengths and --serve are separate modes: choose one")
     if args.serve:  # the prompt cache's and the server's own benchmark (bench/serve.py)
         from ...api.pair import load
         from .serve import run
@@ -271,7 +286,12 @@ def _run(args: argparse.Namespace) -> int:
         pair = load(args.target, args.draft)
         run(pair, args.turns, args.max_tokens, args.output, args.repeats)
         return 0
-    skip = ("func", "command", "serve", "turns")
+    if args.prompt_lengths:  # long prompts read whole (bench/lengths.py)
+        lengths = ",".join(args.prompt_lengths)  # "512 2048" and "512,2048" alike
+        run = LengthRun(lengths, args.target, args.draft, args.max_tokens, args.gguf, args.seed)
+        bench_lengths(run, args.output, args.charts, args.quiet)
+        return 0
+    skip = ("func", "command", "serve", "turns", "prompt_lengths")
     bench(**{k: v for k, v in vars(args).items() if k not in skip})
     return 0
 
@@ -328,4 +348,13 @@ def register(subparsers: Any) -> None:
         "one pass against taking turns (--output: a JSON file)",
     )
     p.add_argument("--turns", type=int, default=8, help="--serve: conversation turns")
+    p.add_argument(
+        "--prompt-lengths",
+        nargs="+",
+        metavar="N",
+        help="instead: one prompt of exactly N ids per length (Python's own sources and a "
+        "request to summarize them), read whole by macspec plain and the default, and by "
+        "llama.cpp with --gguf: TTFT, prefill and decode tok/s, peak RSS and a chart "
+        "(uses --target, --draft, --max-tokens, --gguf, --seed, --output, --no-charts, --quiet)",
+    )
     p.set_defaults(func=_run)
