@@ -14,10 +14,7 @@ first target pass, over the wall time after it (prefill and the first pass are e
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,8 +24,9 @@ import mlx.core as mx
 
 from ...api.stream import prompt_ids
 from ...base import platform_info as be
-from ...base.errors import MacspecError, OptionError
+from ...base.errors import OptionError
 from ..prompts import KINDS, Prompt, with_context
+from .lengths import LengthRun, format_lengths, length_events
 from .llamacpp import LLAMACPP, LlamaCpp, check_vocabulary, unavailable
 from .plan import (
     DEFAULT_METHODS,
@@ -45,33 +43,48 @@ from .plan import (
     select_prompts,
 )
 from .progress import Finished, Note, RunUpdate, StderrProgress
-from .report import RunRecord, format_table, summarise, write_charts
-from .runner import Runner, nbytes
+from .report import RunRecord, format_table, loadavg, summarise, write_charts, write_results
+from .runner import Runner, nbytes, run_events
 
 # ------------------------------------------------------------------ the benchmark
-
-
-def _loadavg() -> str | None:
-    # The bench shares the machine with whatever else runs: say how busy it was.
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except (OSError, AttributeError):
-        return None
 
 
 def bench(*args: Any, quiet: bool = False, progress: Any = None, **kwargs: Any) -> dict[str, Any]:
     """Run the benchmark (the arguments are `bench_events`'); returns the result dict that is also
     written to OUTPUT/bench.json. `progress` is called with every event (default: lines on
     stderr, none with `quiet`); unless `quiet`, the table is printed at the end."""
+    return consume(bench_events(*args, **kwargs), format_table, quiet, progress)
+
+
+def bench_lengths(
+    run: LengthRun,
+    output: str | Path | None = None,
+    charts: bool = True,
+    quiet: bool = False,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """`macspec bench --prompt-lengths` (lengths.py): as `bench`, its table printed unless
+    `quiet`; the result also written to OUTPUT/bench.json."""
+    return consume(length_events(run, output, charts), format_lengths, quiet, progress)
+
+
+def consume(
+    events: Iterator[Note | RunUpdate | Finished],
+    table: Callable[[dict[str, Any]], str],
+    quiet: bool = False,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """A mode's events shown as `bench` says; its result, whose `table` is printed unless
+    `quiet`."""
     show = progress or (None if quiet else StderrProgress())
     result: dict[str, Any] = {}
-    for event in bench_events(*args, **kwargs):
+    for event in events:
         if show is not None:
             show(event)
         if isinstance(event, Finished):
             result = event.result
     if not quiet:
-        print(format_table(result))
+        print(table(result))
         print("written: " + ", ".join(result["files"]))
     return result
 
@@ -132,7 +145,8 @@ def bench_events(
     if runner.llamacpp is not None:
         settings["llamacpp"] = runner.llamacpp.describe()
     result = _result(pairs, plan, skipped, records, bandwidth, encoded, settings)
-    result["files"] = [str(f) for f in _write(result, output, charts)]
+    draw = (lambda out_dir: write_charts(result, out_dir)) if charts else None
+    result["files"] = [str(f) for f in write_results(result, output, draw)]
     yield Finished(result)
 
 
@@ -199,22 +213,6 @@ def _encode(
     return encoded
 
 
-def _one_run(
-    runner: Runner, m: Method, ids: list[int], rec: RunRecord, phase: str, n: int, total: int
-) -> Iterator[RunUpdate]:
-    """One run into `rec`, with its progress after each round and once done."""
-
-    def update(tok_s: float, done: bool) -> RunUpdate:
-        return RunUpdate(
-            phase, n, total, m.label, rec.prompt, rec.temperature, rec.repeat, rec.tokens, tok_s,
-            done,
-        )  # fmt: skip
-
-    for counter in runner.run(m, ids, rec.temperature, rec.seed, rec):
-        yield update(counter.rate(time.perf_counter()), False)
-    yield update(rec.decode_tokens / rec.decode_time if rec.decode_time else 0.0, True)
-
-
 def _measure(
     runner: Runner,
     plan: list[Method],
@@ -229,7 +227,7 @@ def _measure(
     # Warm-up: the first call of each method pays one-off set-up costs, so it is not timed.
     for n, m in enumerate(plan, 1):
         rec = RunRecord(m.method, m.label, m.num_draft, "warmup", encoded[0][0].name, 0.0, -1, seed)
-        yield from _one_run(runner, m, encoded[0][1][:64], rec, "warm-up", n, len(plan))
+        yield from run_events(runner, m, encoded[0][1][:64], rec, "warm-up", n, len(plan))
     total = repeats * len(temps) * len(encoded) * len(plan)
     # Methods interleave per prompt, so drift in machine load hits them all alike.
     for rep in range(repeats):
@@ -240,7 +238,7 @@ def _measure(
                     rec = RunRecord(
                         m.method, m.label, m.num_draft, p.kind, p.name, temp, rep, run_seed
                     )
-                    yield from _one_run(runner, m, ids, rec, "run", len(records) + 1, total)
+                    yield from run_events(runner, m, ids, rec, "run", len(records) + 1, total)
                     records.append(rec)
 
 
@@ -271,30 +269,16 @@ def _meta(
         "target_weight_bytes": weight_bytes,
         "baseline": baseline(plan),
         **settings,
-        "loadavg": _loadavg(),
+        "loadavg": loadavg(),
         "kinds": list(dict.fromkeys(p.kind for p, _ in encoded)),
         "prompts": [{"kind": p.kind, "name": p.name, "tokens": len(ids)} for p, ids in encoded],
         "methods": [m.label for m in plan],
     }
 
 
-def _write(result: dict[str, Any], output: str | Path | None, charts: bool) -> list[Path]:
-    """bench.json and, with `charts`, the charts, into `output` (default runs/bench-<time>)."""
-    out_dir = (
-        Path(output) if output else Path("runs") / datetime.now().strftime("bench-%Y%m%d-%H%M%S")
-    )
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
-        files = [out_dir / "bench.json"]
-        if charts:
-            files += write_charts(result, out_dir)
-    except OSError as e:
-        raise MacspecError(f"cannot write the results to {out_dir}: {e}") from None
-    return files
-
-
 def _run(args: argparse.Namespace) -> int:
+    if args.serve and args.prompt_lengths:
+        raise OptionError("--prompt-lengths and --serve are separate modes: choose one")
     if args.serve:  # the prompt cache's and the server's own benchmark (bench/serve.py)
         from ...api.pair import load
         from .serve import run
@@ -302,7 +286,12 @@ def _run(args: argparse.Namespace) -> int:
         pair = load(args.target, args.draft)
         run(pair, args.turns, args.max_tokens, args.output, args.repeats)
         return 0
-    skip = ("func", "command", "serve", "turns")
+    if args.prompt_lengths:  # long prompts read whole (bench/lengths.py)
+        lengths = ",".join(args.prompt_lengths)  # "512 2048" and "512,2048" alike
+        run = LengthRun(lengths, args.target, args.draft, args.max_tokens, args.gguf, args.seed)
+        bench_lengths(run, args.output, args.charts, args.quiet)
+        return 0
+    skip = ("func", "command", "serve", "turns", "prompt_lengths")
     bench(**{k: v for k, v in vars(args).items() if k not in skip})
     return 0
 
@@ -359,4 +348,13 @@ def register(subparsers: Any) -> None:
         "one pass against taking turns (--output: a JSON file)",
     )
     p.add_argument("--turns", type=int, default=8, help="--serve: conversation turns")
+    p.add_argument(
+        "--prompt-lengths",
+        nargs="+",
+        metavar="N",
+        help="instead: one prompt of exactly N ids per length (Python's own sources and a "
+        "request to summarize them), read whole by macspec plain and the default, and by "
+        "llama.cpp with --gguf: TTFT, prefill and decode tok/s, peak RSS and a chart "
+        "(uses --target, --draft, --max-tokens, --gguf, --seed, --output, --no-charts, --quiet)",
+    )
     p.set_defaults(func=_run)

@@ -5,13 +5,17 @@ and the charts. scripts/bench_readme.py reads the same rows (iter_rows, find_row
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ...base.errors import MacspecError
 from ..prompts import KINDS
 
 LABELS = {"mlx_lm": "mlx-lm plain", "macspec_plain": "macspec plain"}  # the possible baselines
@@ -294,7 +298,36 @@ def _fmt(value: float | None, unit: str, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
-# ------------------------------------------------------------------ charts
+# ------------------------------------------------------------------ files and charts
+
+
+def loadavg() -> str | None:
+    # The bench shares the machine with whatever else runs: say how busy it was.
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (OSError, AttributeError):
+        return None
+
+
+def write_results(
+    result: dict[str, Any],
+    output: str | Path | None,
+    more: Callable[[Path], list[Path]] | None = None,
+) -> list[Path]:
+    """bench.json and what `more` writes beside it (the charts), into `output` (default
+    runs/bench-<time>); the files written."""
+    out_dir = (
+        Path(output) if output else Path("runs") / datetime.now().strftime("bench-%Y%m%d-%H%M%S")
+    )
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "bench.json").write_text(json.dumps(result, indent=1))
+        files = [out_dir / "bench.json"]
+        if more is not None:
+            files += more(out_dir)
+    except OSError as e:
+        raise MacspecError(f"cannot write the results to {out_dir}: {e}") from None
+    return files
 
 
 def write_charts(result: dict[str, Any], out_dir: Path) -> list[Path]:

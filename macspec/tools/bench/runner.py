@@ -15,6 +15,7 @@ from ...api.stream import stream_generate
 from ...cpu import kernels
 from .llamacpp import LLAMACPP, LlamaCpp
 from .plan import _NEEDS_DRAFT, MLX_LM, Method
+from .progress import RunUpdate
 from .report import Recorder, RunRecord
 
 # What each macspec method sets besides the run's own options (GenerationOptions fields).
@@ -158,6 +159,22 @@ class Runner:
                 yield c
         detok.finalize()
         c.rec.text = detok.text
+
+
+def run_events(
+    runner: Runner, m: Method, ids: list[int], rec: RunRecord, phase: str, n: int, total: int
+) -> Iterator[RunUpdate]:
+    """One run into `rec`, with its progress after each round and once done."""
+
+    def update(tok_s: float, done: bool) -> RunUpdate:
+        return RunUpdate(
+            phase, n, total, m.label, rec.prompt, rec.temperature, rec.repeat, rec.tokens, tok_s,
+            done,
+        )  # fmt: skip
+
+    for counter in runner.run(m, ids, rec.temperature, rec.seed, rec):
+        yield update(counter.rate(time.perf_counter()), False)
+    yield update(rec.decode_tokens / rec.decode_time if rec.decode_time else 0.0, True)
 
 
 def nbytes(module: Any) -> int:

@@ -1,0 +1,184 @@
+"""`macspec bench --prompt-lengths` on a tiny pair: a prompt of exactly each length, plain and the
+default read it whole, and the rows, ratios, report and chart are written (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.tinymodels import make_tiny_model
+
+from macspec.api.pair import load
+from macspec.base.errors import OptionError
+from macspec.cli import main
+from macspec.tools.bench import command as bm
+from macspec.tools.bench import rss
+from macspec.tools.bench.lengths import (
+    ASK,
+    RATIOS,
+    LengthRun,
+    check_lengths,
+    format_lengths,
+    length_prompt,
+    source_ids,
+)
+from macspec.tools.bench.progress import RunUpdate
+
+FIELDS = {"ids", "method", "label", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"}
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lengths")
+    target = make_tiny_model(root / "t", seed=5, hidden=48, context=1024)
+    draft = make_tiny_model(root / "d", seed=5, hidden=48, context=1024, perturb=0.05)
+    return str(target), str(draft)
+
+
+@pytest.fixture(scope="module")
+def result(tiny_pair, tmp_path_factory):
+    events = []
+    out = bm.bench_lengths(
+        LengthRun("200,400", *tiny_pair, max_tokens=8),
+        output=tmp_path_factory.mktemp("out"),
+        progress=events.append,
+    )
+    out["events"] = events
+    return out
+
+
+def test_rows_have_every_field_for_plain_and_the_default(result):
+    rows = result["rows"]
+    assert [(r["ids"], r["label"]) for r in rows] == [
+        (200, "plain"), (200, "default"), (400, "plain"), (400, "default"),
+    ]  # fmt: skip
+    for r in rows:
+        assert FIELDS <= set(r) and r["tokens"] > 0
+        assert r["ttft_s"] > 0 and r["prefill_tok_s"] == pytest.approx(r["ids"] / r["ttft_s"])
+        assert r["decode_tok_s"] > 0 and r["peak_rss_bytes"] > 0
+    # Greedy either way: the default's answer is plain's, token for token.
+    assert rows[0]["text"] == rows[1]["text"] and rows[2]["text"] == rows[3]["text"]
+    assert result["meta"]["mode"] == "prompt_lengths" and result["meta"]["lengths"] == [200, 400]
+
+
+def test_ratios_and_the_report(result):
+    rows = {(r["ids"], r["method"]): r for r in result["rows"]}
+    for q in result["ratios"]:
+        plain, default = rows[q["ids"], "macspec_plain"], rows[q["ids"], "macspec_adaptive"]
+        assert q["ttft_default_over_plain"] == pytest.approx(default["ttft_s"] / plain["ttft_s"])
+        assert q["decode_default_over_plain"] == pytest.approx(
+            default["decode_tok_s"] / plain["decode_tok_s"]
+        )
+        assert q["prefill_plain_over_llamacpp"] is None  # no --gguf: no llama.cpp rows
+    assert [q["ids"] for q in result["ratios"]] == [200, 400]
+    table = format_lengths(result)
+    assert "| ids | method | TTFT s | prefill tok/s | decode tok/s | peak RSS MiB |" in table
+    assert "| 400 | default |" in table and "plain prefill / llama.cpp" in table
+    assert "skipped llamacpp_plain: needs" in table  # what llama.cpp's rows lack, said
+
+
+def test_files_and_progress(result):
+    names = [f.rsplit("/", 1)[-1] for f in result["files"]]
+    assert names == ["bench.json", "lengths.md", "lengths.png"]
+    saved = json.loads(open(result["files"][0]).read())
+    assert saved["rows"] == json.loads(json.dumps(result["rows"]))
+    assert set(saved["ratios"][0]) == {"ids", *RATIOS}
+    assert open(result["files"][2], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    done = [e for e in result["events"] if isinstance(e, RunUpdate) and e.done]
+    assert [(e.phase, e.run, e.runs) for e in done] == [
+        ("warm-up", 1, 2), ("warm-up", 2, 2), ("run", 1, 4), ("run", 2, 4), ("run", 3, 4),
+        ("run", 4, 4),
+    ]  # fmt: skip
+
+
+def test_a_prompt_has_exactly_the_asked_ids(tiny_pair):
+    tokenizer = load(tiny_pair[0]).tokenizer
+    source = source_ids(tokenizer)
+    ask = tokenizer.encode(ASK, add_special_tokens=False)
+    for n in (len(ask) + 1, 300, 1000):
+        ids = length_prompt(source, ask, n)
+        assert (
+            len(ids) == n
+            and ids[-len(ask) :] == ask
+            and ids[: n - len(ask)] == source[: n - len(ask)]
+        )
+    with pytest.raises(OptionError, match="invalid prompt length 5"):
+        length_prompt(source, ask, 5)  # the request alone is longer
+    with pytest.raises(OptionError, match=f"prompt length {len(source) + len(ask) + 1}"):
+        length_prompt(source, ask, len(source) + len(ask) + 1)
+
+
+@pytest.mark.parametrize("lengths", ["0,200", "-5", "two", "200,2.5", ""])
+def test_non_positive_or_odd_lengths_are_refused_before_loading(lengths):
+    with pytest.raises(OptionError, match="prompt_lengths"):
+        bm.bench_lengths(LengthRun(lengths, "no-such-model"), quiet=True)
+
+
+def test_lengths_past_the_context_are_refused(tiny_pair, capsys):
+    with pytest.raises(OptionError, match="invalid prompt length 1000: .* context of 1024"):
+        check_lengths([200, 1000], 1024, 128)
+    argv = ["bench", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--prompt-lengths", "200"]
+    assert main([*argv, "5000", "--quiet"]) == 2
+    assert "5000" in capsys.readouterr().err
+
+
+def test_cli_takes_lengths_spaced_or_comma_separated(tiny_pair, tmp_path, capsys):
+    argv = ["bench", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--max-tokens", "4"]
+    argv += ["--prompt-lengths", "150,160", "170", "--no-charts", "--output", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "| 170 | default |" in printed.out and "[6/6]" in printed.err
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["meta"]["lengths"] == [150, 160, 170]
+    assert not (tmp_path / "lengths.png").exists() and (tmp_path / "lengths.md").exists()
+    assert main([*argv, "--serve"]) == 2
+
+
+def test_peak_rss_is_positive_and_follows_a_reset():
+    reset = rss.reset_peak()
+    before = rss.peak_rss(reset)
+    assert before.bytes > 0 and before.scope in (rss.DURING, rss.SO_FAR)
+    block = bytearray(64 << 20)  # touched: 64 MiB more resident
+    block[::4096] = b"x" * len(block[::4096])
+    after = rss.peak_rss(reset)
+    assert after.bytes >= before.bytes + (60 << 20)
+    del block
+    if reset:  # Linux: the high-water mark falls back to the present after a reset
+        assert rss.reset_peak() and rss.peak_rss(True).bytes < after.bytes
+        assert rss.resident() > 0
+
+
+@pytest.fixture(scope="module")
+def gguf_target(tmp_path_factory):
+    """A tiny BPE target as a GGUF file and as the store model converted from it."""
+    from support.gguf_helpers import hf_to_gguf, make_bpe_model
+
+    from macspec.models.convert import convert
+
+    root = tmp_path_factory.mktemp("peer")
+    gguf = root / "target.gguf"
+    hf_to_gguf(make_bpe_model(root / "src", seed=4, context=2048), gguf, "f32")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MACSPEC_HOME", str(root / "home"))
+        target = convert(str(gguf), output="peer", dtype="float32")
+    return str(target), str(gguf)
+
+
+def test_llamacpp_rows_beside_on_the_same_ids(gguf_target, tmp_path):
+    pytest.importorskip("xllamacpp", reason="llama.cpp's rows need the optional xllamacpp")
+    target, gguf = gguf_target
+    out = bm.bench_lengths(
+        LengthRun([120, 240], target, max_tokens=6, gguf=gguf), tmp_path, charts=True, quiet=True
+    )
+    rows = {(r["ids"], r["method"]): r for r in out["rows"]}
+    # No draft model: the default is skipped with its reason, plain and llama.cpp run.
+    assert set(rows) == {(n, m) for n in (120, 240) for m in ("macspec_plain", "llamacpp_plain")}
+    for n in (120, 240):
+        mine, peer = rows[n, "macspec_plain"], rows[n, "llamacpp_plain"]
+        assert peer["text"] == mine["text"] and peer["peak_rss_bytes"] > 0  # same f32 weights
+        q = next(q for q in out["ratios"] if q["ids"] == n)
+        assert q["prefill_plain_over_llamacpp"] == pytest.approx(
+            mine["prefill_tok_s"] / peer["prefill_tok_s"]
+        )
+    assert out["meta"]["llamacpp"]["gguf"] == gguf
+    assert "| 240 | llama.cpp plain |" in format_lengths(out)
