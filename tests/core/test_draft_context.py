@@ -5,6 +5,7 @@ a conversation's turns the prompt cache resumes the shortened draft state exactl
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from support.exactness import DEPTH, N, chi_square, exact_joint, resample_from_p, sample_prefixes
 
@@ -12,6 +13,8 @@ import macspec
 import macspec.core.verify as verify
 from macspec.base.errors import OptionError
 from macspec.core import caches
+from macspec.core.sampling import SamplingOptions
+from macspec.core.verify import make_dist
 
 LONG = "The quick brown fox jumps over the lazy dog. " * 3  # 135 ids
 
@@ -21,15 +24,25 @@ def windowed(tiny_dirs):
     return macspec.load(*tiny_dirs, drafter="model", draft_context=16)
 
 
+def _first_proposal(d, ids):
+    d.propose(1, make_dist(SamplingOptions(), ids), mx.random.key(0))
+    d.abort(1)
+
+
 def test_the_draft_reads_only_the_prompts_end(windowed):
+    """start() reads nothing (the answer's first token is the target's alone); the first
+    proposal reads the prompt's last 16 ids, and only those."""
     ids = windowed.tokenizer.encode(LONG)
     d = windowed.make_drafter(False)
     d.start(ids)
-    assert caches.length(d.cache) == 16
+    assert caches.length(d.cache) == 0 and d.pending == ids[len(ids) - 1 - 16 :]
+    _first_proposal(d, ids)
+    assert caches.length(d.cache) == 16 and d.pending == ids[-1:]
     state = d.snapshot()
     assert (state.start, state.length) == (len(ids) - 1 - 16, len(ids) - 1)
     short = windowed.tokenizer.encode("The quick")  # shorter than the window: all of it
     d.start(short)
+    _first_proposal(d, short)
     assert caches.length(d.cache) == len(short) - 1 and d.snapshot().start == 0
 
 
