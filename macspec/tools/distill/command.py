@@ -207,7 +207,7 @@ def _record(run: _Run) -> None:
         "unroll": cfg.unroll,
         "epochs": cfg.epochs,
         "batch_rows": cfg.batch_rows,
-        "lr": cfg.lr,
+        "lr": cfg.learning_rate,
         "tokens": cfg.tokens,
         "init": _init_name(run),
     }
@@ -290,7 +290,7 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
         run.work / "checkpoints",
         epochs=cfg.epochs,
         batch_rows=cfg.batch_rows,
-        lr=cfg.lr,
+        lr=cfg.learning_rate,
         seed=cfg.seed,
         # The eagle kind predicts the target's features (and is read through its head); an
         # EAGLE-3 draft has its own head and is trained on the distribution alone, as published.
