@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from support.tinymodels import make_tiny_model
+from support.unrolled import assert_unrolled_steps_attend_as_drafting_does
 
 import macspec
 from macspec.base.errors import MacspecError, ModelError, OptionError, PromptError
@@ -27,7 +28,7 @@ from macspec.tools.distill.data import (
     parse_feature_layers,
     training_prompts,
 )
-from macspec.tools.distill.training import deepen_draft, train, unrolled, widen_draft
+from macspec.tools.distill.training import deepen_draft, train, widen_draft
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
 # For drafts whose quality no assertion reads (a refusal, a shape): the least a run writes.
@@ -262,26 +263,11 @@ def test_unrolled_training_steps_attend_as_drafting_does(tmp_path, feature_layer
     """Training's unrolled steps (EAGLE-3's training-time test) equal what the drafter computes
     with its cache: step s at position t = the s-th draft token after anchor t - s, attending to
     the real positions up to the anchor and to its own earlier drafted positions only."""
-    from mlx_lm.models.cache import KVCache
-
-    from macspec.core.target import hidden_states
 
     target = macspec.load(make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=2)).target
     mx.random.seed(3)
     draft = EagleDraft(draft_config(target, feature_layers, layers))
-    ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
-    feats = hidden_states(target, ids[:-1], None, feature_layers)[None]
-    embeds = target.model.embed_tokens(ids[1:])[None]
-    outs = unrolled(draft, draft.state(feats), embeds, 3)
-    for anchor in (0, 2, 5):
-        cache = [KVCache() for _ in range(layers)]
-        out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
-        out = out[:, -1:]
-        assert mx.allclose(out[0, 0], outs[0][0, anchor], atol=1e-4).item()
-        for s in (1, 2):
-            t = anchor + s
-            out = draft.step(out, embeds[:, t : t + 1], cache)
-            assert mx.allclose(out[0, 0], outs[s][0, t], atol=1e-4).item(), (anchor, s)
+    assert_unrolled_steps_attend_as_drafting_does(draft, target, feature_layers, layers)
 
 
 def test_shards_keep_the_tapped_layer_outputs(tmp_path, run):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from support.exactness import chi_square, exact_joint, sample_prefixes
 from support.tinymodels import make_tiny_model
+from support.unrolled import assert_unrolled_steps_attend_as_drafting_does
 
 import macspec
 from macspec.base.errors import ModelError, OptionError
@@ -18,7 +19,6 @@ from macspec.tools import distill as d
 from macspec.tools.distill.corpus import corpus_rows
 from macspec.tools.distill.data import Dataset
 from macspec.tools.distill.eagle3_kind import eagle3_taps
-from macspec.tools.distill.training import unrolled
 
 RUN = {"max_new": 48, "eval_tokens": 8, "progress": False, "vocab": 40, "lr": 1e-2}
 
@@ -138,9 +138,7 @@ def test_export_folds_the_feature_scale_into_fc_exactly(tmp_path):
 
 def test_unrolled_eagle3_steps_attend_as_drafting_does(tmp_path):
     """Training's unrolled steps equal what the EAGLE-3 drafter computes with its cache."""
-    from mlx_lm.models.cache import KVCache
 
-    from macspec.core.target import hidden_states
     from macspec.tools.distill.eagle3_kind import TrainableEagle3, eagle3_config
 
     target = make_tiny_model(tmp_path / "t", seed=0, hidden=48, layers=4)
@@ -149,19 +147,7 @@ def test_unrolled_eagle3_steps_attend_as_drafting_does(tmp_path):
     mx.random.seed(3)
     width = (len(taps) + 1) * 48
     draft = TrainableEagle3(eagle3_config(pair, taps, 2, 64, list(range(30))), taps, mx.ones(width))
-    ids = mx.array([1, 9, 4, 7, 12, 3, 8, 10, 2, 6])
-    feats = hidden_states(pair.target, ids[:-1], None, taps)[None]
-    embeds = pair.target.model.embed_tokens(ids[1:])[None]
-    outs = unrolled(draft, draft.state(feats), embeds, 3)
-    for anchor in (0, 2, 5):
-        cache = [KVCache() for _ in range(2)]
-        out = draft.step(draft.state(feats[:, : anchor + 1]), embeds[:, : anchor + 1], cache)
-        out = out[:, -1:]
-        assert mx.allclose(out[0, 0], outs[0][0, anchor], atol=1e-4).item()
-        for s in (1, 2):
-            t = anchor + s
-            out = draft.step(out, embeds[:, t : t + 1], cache)
-            assert mx.allclose(out[0, 0], outs[s][0, t], atol=1e-4).item(), (anchor, s)
+    assert_unrolled_steps_attend_as_drafting_does(draft, pair.target, taps, 2)
 
 
 def test_corpus_shards_hold_whole_files_out_and_count_the_text_only(run):

@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...base.errors import ModelError
-from .data import save_atomic
-from .progress import bar, end_bar, hms
+from .data import data_bar, save_atomic
+from .progress import end_bar
 
 # What a directory's text files are, by suffix (a FILE given by name is read whatever its suffix).
 SUFFIXES = frozenset(
@@ -113,7 +113,7 @@ def corpus_data(
     from ...core.target import hidden_states
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    model, width = pair.target, None
+    model = pair.target
     have, made, start, j = 0, 0, time.perf_counter(), 0
     while have < tokens and j * ROWS_PER_SHARD < len(rows):
         shard = data_dir / f"shard-{j:05d}.safetensors"
@@ -130,10 +130,7 @@ def corpus_data(
         have += count
         j += 1
         if progress:
-            rate = made / max(time.perf_counter() - start, 1e-9)
-            eta = (tokens - have) / rate if rate > 0 else float("nan")
-            note = f"{rate:.0f} tok/s  ETA {hms(eta)}" if made else "kept from an earlier run"
-            bar("data", min(have, tokens), tokens, note)
+            data_bar(made, have, tokens, start)
     if progress:
         end_bar()
     return have, j

@@ -233,13 +233,18 @@ def generate_data(
         have += meta["generated"]
         j += 1
         if progress:
-            rate = made / max(time.perf_counter() - start, 1e-9)
-            eta = (tokens - have) / rate if rate > 0 else float("nan")
-            note = f"{rate:.0f} tok/s  ETA {hms(eta)}" if made else "kept from an earlier run"
-            bar("data", min(have, tokens), tokens, note)
+            data_bar(made, have, tokens, start)
     if progress:
         end_bar()
     return have, j
+
+
+def data_bar(made: int, have: int, tokens: int, start: float) -> None:
+    """The data stage's progress line: `have` of `tokens`, at the rate of the `made` ones."""
+    rate = made / max(time.perf_counter() - start, 1e-9)
+    eta = (tokens - have) / rate if rate > 0 else float("nan")
+    note = f"{rate:.0f} tok/s  ETA {hms(eta)}" if made else "kept from an earlier run"
+    bar("data", min(have, tokens), tokens, note)
 
 
 def _shard_meta(path: Path) -> dict:
