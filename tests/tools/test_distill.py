@@ -137,6 +137,46 @@ def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
         assert np.allclose(np.array(a), np.array(b), atol=1e-5), name
 
 
+def test_checkpoints_come_by_time_too(run, monkeypatch, tmp_path):
+    target, out = run
+    data = Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
+    pair = macspec.load(target)
+    parts = TargetParts(pair.target, mx.arange(pair.vocab_size))
+    real_batch, calls = Dataset.batch, []
+
+    def interrupted(self, rows):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_batch(self, rows)
+
+    monkeypatch.setattr(Dataset, "batch", interrupted)
+    kw = {"epochs": 2, "batch_rows": 8, "lr": 3e-3, "seed": 5, "progress": False}
+    with pytest.raises(KeyboardInterrupt):  # no step count reached, every second due
+        train(
+            EagleDraft(draft_config(pair.target)),
+            parts,
+            data,
+            tmp_path / "c",
+            checkpoint_every=1000,
+            checkpoint_seconds=0.0,
+            **kw,
+        )
+    assert json.loads((tmp_path / "c" / "checkpoint.json").read_text())["step"] == 3
+
+
+def test_split_holds_one_group_out_when_the_bucket_is_empty(run):
+    target, out = run
+    data = Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
+    groups = sorted(set(data.prompt))
+    data.prompt = [groups[r % 3] * 20 for r in range(len(data))]  # no group in bucket 19
+    train_rows, held = data.split()
+    assert held and train_rows and sorted(train_rows + held) == list(range(len(data)))
+    assert len({data.prompt[r] for r in held}) == 1
+    data.prompt = [groups[0]] * len(data)  # one group: nothing to hold out
+    assert data.split() == (list(range(len(data))), [])
+
+
 def test_resumed_distill_reuses_data_and_checkpoint(run):
     target, out = run
     shards = sorted((out.parent / f".distill-{out.name}" / "data").glob("shard-*"))

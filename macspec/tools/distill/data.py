@@ -308,12 +308,17 @@ class Dataset:
         return len(self.ids)
 
     def split(self, every: int = 20) -> tuple[list[int], list[int]]:
-        """(training rows, held-out rows): every `every`-th prompt is held out with all its rows,
-        so agreement is measured on contexts the draft never trained on."""
-        held = [r for r, p in enumerate(self.prompt) if p % every == every - 1]
-        if not held:  # too few prompts: hold out nothing rather than everything
-            return list(range(len(self))), []
-        return [r for r, p in enumerate(self.prompt) if p % every != every - 1], held
+        """(training rows, held-out rows): every `every`-th prompt (or file) is held out with all
+        its rows, so agreement is measured on contexts the draft never trained on; one group is
+        held out when the bucket catches none, nothing when there is only one."""
+        out = {p for p in self.prompt if p % every == every - 1}
+        groups = set(self.prompt)
+        if not out and len(groups) > 1:
+            # No prompt or file fell in the held-out bucket (a few dozen files, say): hold out
+            # the one nearest to it, so agreement is still measured on unseen text.
+            out = {max(groups, key=lambda p: (p % every, p))}
+        held = [r for r, p in enumerate(self.prompt) if p in out]
+        return [r for r, p in enumerate(self.prompt) if p not in out], held
 
     def feature_stats(self, limit: int = 200_000) -> tuple[mx.array, mx.array]:
         """Mean and standard deviation of the target's features, per dimension."""

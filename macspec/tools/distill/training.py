@@ -136,6 +136,7 @@ def train(
     unroll: int = 2,
     resume: bool = False,
     checkpoint_every: int = 50,
+    checkpoint_seconds: float = 600.0,
     progress: bool = True,
     rows: list[int] | None = None,
 ) -> dict:
@@ -156,6 +157,7 @@ def train(
     mx.eval(draft.parameters())
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     start, done_tokens, ema_loss, ema_acc = time.perf_counter(), 0, None, None
+    saved = start
     first = step
     while step < steps:
         epoch, i = divmod(step, per_epoch)
@@ -166,8 +168,12 @@ def train(
         done_tokens += batch[3].size
         ema_loss = loss.item() if ema_loss is None else 0.9 * ema_loss + 0.1 * loss.item()
         ema_acc = acc.item() if ema_acc is None else 0.9 * ema_acc + 0.1 * acc.item()
-        if step % checkpoint_every == 0 or step == steps:
+        # Every `checkpoint_every` steps, or `checkpoint_seconds`: a real target's steps take
+        # about a minute each here, and a stopped run should lose minutes, not an hour.
+        now = time.perf_counter()
+        if step % checkpoint_every == 0 or step == steps or now - saved >= checkpoint_seconds:
             _save(draft, opt, ckpt_dir, step, steps)
+            saved = now
         if progress:
             elapsed = time.perf_counter() - start
             eta = hms(elapsed / (step - first) * (steps - step))
