@@ -4,6 +4,9 @@ default read it whole, and the rows, ratios, report and chart are written (no sp
 from __future__ import annotations
 
 import json
+import re
+import statistics
+from collections import Counter
 
 import pytest
 from support.tinymodels import make_tiny_model
@@ -23,6 +26,7 @@ from macspec.tools.bench.lengths import (
     source_ids,
 )
 from macspec.tools.bench.progress import RunUpdate
+from macspec.tools.bench.runner import Runner
 
 FIELDS = {"ids", "method", "label", "ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_bytes"}
 
@@ -75,6 +79,10 @@ def test_ratios_and_the_report(result):
     assert "| ids | method | TTFT s | prefill tok/s | decode tok/s | peak RSS MiB |" in table
     assert "| 400 | default |" in table and "plain prefill / llama.cpp" in table
     assert "skipped llamacpp_plain: needs" in table  # what llama.cpp's rows lack, said
+    # One repeat (the API's default): the bare figures, no ranges.
+    assert result["meta"]["repeats"] == 1 and all(r["repeats"] == 1 for r in result["rows"])
+    assert re.search(r"^\| 200 \| plain \| [\d.]+ \| [\d.,]+ \| [\d.,]+ \| [\d,]+ \|$", table, re.M)
+    assert "repeats a row" not in table
 
 
 def test_files_and_progress(result):
@@ -130,8 +138,107 @@ def test_cli_takes_lengths_spaced_or_comma_separated(tiny_pair, tmp_path, capsys
     assert "| 170 | default |" in printed.out and "[6/6]" in printed.err
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["meta"]["lengths"] == [150, 160, 170]
+    assert saved["meta"]["repeats"] == 1  # --repeats not given: this mode's default, one
     assert not (tmp_path / "lengths.png").exists() and (tmp_path / "lengths.md").exists()
     assert main([*argv, "--serve"]) == 2
+
+
+@pytest.fixture(scope="module")
+def repeated(tiny_pair, tmp_path_factory):
+    """Two repeats of each row, with every timed call of the runner counted."""
+    events, calls = [], Counter()
+    run = Runner.run
+
+    def counted(self, m, ids, *args):
+        calls[len(ids), m.method] += 1
+        return run(self, m, ids, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Runner, "run", counted)
+        out = bm.bench_lengths(
+            LengthRun([150, 200], *tiny_pair, max_tokens=6, repeats=2),
+            output=tmp_path_factory.mktemp("repeated"),
+            charts=False,
+            progress=events.append,
+            quiet=True,
+        )
+    out["events"], out["calls"] = events, calls
+    return out
+
+
+def test_repeats_run_each_row_twice_taking_turns(repeated):
+    methods = ("macspec_plain", "macspec_adaptive")
+    # Two timed generations per (length, method), besides one warm-up of 64 ids per method.
+    assert repeated["calls"] == Counter(
+        {**{(n, m): 2 for n in (150, 200) for m in methods}, **{(64, m): 1 for m in methods}}
+    )
+    done = [
+        (e.prompt, e.label, e.repeat, e.run, e.runs)
+        for e in repeated["events"]
+        if isinstance(e, RunUpdate) and e.done and e.phase == "run"
+    ]
+    labels = list(dict.fromkeys(label for _, label, *_ in done))
+    assert len(labels) == 2
+    # At each length plain and the default alternate, repeat by repeat.
+    expected = [(f"{n} ids", lab, rep) for n in (150, 200) for rep in (0, 1) for lab in labels]
+    assert [d[:3] for d in done] == expected
+    assert [d[3:] for d in done] == [(i, 8) for i in range(1, 9)]
+    assert repeated["meta"]["repeats"] == 2
+
+
+def test_repeated_rows_report_medians_and_ranges(repeated):
+    rows = repeated["rows"]
+    assert [(r["ids"], r["method"]) for r in rows] == [
+        (150, "macspec_plain"), (150, "macspec_adaptive"), (200, "macspec_plain"),
+        (200, "macspec_adaptive"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["repeats"] == 2 and len(r["each"]) == 2
+        ttfts = [e["ttft_s"] for e in r["each"]]
+        assert r["ttft_s"] == pytest.approx(statistics.median(ttfts)) and min(ttfts) > 0
+        assert r["ttft_range"] == [min(ttfts), max(ttfts)]
+        assert r["ttft_range"][0] <= r["ttft_s"] <= r["ttft_range"][1]
+        decodes = [e["decode_tok_s"] for e in r["each"]]
+        assert r["decode_tps_range"] == [min(decodes), max(decodes)]
+        assert r["decode_tps_range"][0] <= r["decode_tok_s"] <= r["decode_tps_range"][1]
+        prefills = [e["prefill_tok_s"] for e in r["each"]]
+        assert r["prefill_tok_s"] == pytest.approx(statistics.median(prefills))
+        assert r["peak_rss_bytes"] == max(e["peak_rss_bytes"] for e in r["each"])
+        assert r["each"][0]["tokens"] == r["each"][1]["tokens"] == r["tokens"]  # greedy
+    by = {(r["ids"], r["method"]): r for r in rows}
+    for q in repeated["ratios"]:  # from the medians
+        plain, default = by[q["ids"], "macspec_plain"], by[q["ids"], "macspec_adaptive"]
+        assert q["ttft_default_over_plain"] == pytest.approx(default["ttft_s"] / plain["ttft_s"])
+    table = format_lengths(repeated)
+    num, spread = r"[\d.,]+", r"[\d.,]+ \([\d.,]+-[\d.,]+\)"
+    for n in ("150", "200"):
+        for label in ("plain", "default"):
+            row = rf"^\| {n} \| {label} \| {spread} \| {num} \| {spread} \| {num} \|$"
+            assert re.search(row, table, re.M), table
+    assert "2 repeats a row" in table
+    written = open(next(f for f in repeated["files"] if f.endswith("lengths.md"))).read()
+    assert written == table + "\n"
+
+
+@pytest.mark.parametrize("repeats", [0, -1])
+def test_fewer_than_one_repeat_is_refused_before_loading(repeats):
+    with pytest.raises(OptionError, match=f"invalid repeats={repeats}"):
+        bm.bench_lengths(LengthRun("200", "no-such-model", repeats=repeats), quiet=True)
+
+
+def test_cli_repeats_defaults_by_mode(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(bm, "bench_lengths", lambda run, *a, **k: seen.update(lengths=run))
+    monkeypatch.setattr(bm, "bench", lambda **k: seen.update(bench=k))
+    assert main(["bench", "--prompt-lengths", "200", "--quiet"]) == 0
+    assert seen["lengths"].repeats == 1  # long prompts: one unless asked
+    assert main(["bench", "--prompt-lengths", "200", "--repeats", "2", "--quiet"]) == 0
+    assert seen["lengths"].repeats == 2
+    assert main(["bench", "--quiet"]) == 0
+    assert seen["bench"]["repeats"] == 3  # the other benchmark's default, as before
+    monkeypatch.undo()
+    assert main(["bench", "--prompt-lengths", "200", "--repeats", "0", "--quiet"]) == 2
+    assert "invalid repeats=0" in capsys.readouterr().err
 
 
 def test_peak_rss_is_positive_and_follows_a_reset():

@@ -46,6 +46,9 @@ from .progress import Finished, Note, RunUpdate, StderrProgress
 from .report import RunRecord, format_table, loadavg, summarise, write_charts, write_results
 from .runner import Runner, nbytes, run_events
 
+REPEATS = 3  # --repeats when not given (--prompt-lengths: LENGTH_REPEATS)
+LENGTH_REPEATS = 1  # long prompts are slow: one timed run of each row unless asked
+
 # ------------------------------------------------------------------ the benchmark
 
 
@@ -101,7 +104,7 @@ def bench_events(
     num_draft: str | Sequence[int] = "2,4,6",
     tree_nodes: str | Sequence[int] = "4,8",
     adaptive_tree_nodes: int = 0,
-    repeats: int = 3,
+    repeats: int = REPEATS,
     methods: str | Sequence[str] | None = None,
     seed: int = 0,
     output: str | Path | None = None,
@@ -279,6 +282,8 @@ def _meta(
 def _run(args: argparse.Namespace) -> int:
     if args.serve and args.prompt_lengths:
         raise OptionError("--prompt-lengths and --serve are separate modes: choose one")
+    if args.repeats is None:  # not given: each mode's own default
+        args.repeats = LENGTH_REPEATS if args.prompt_lengths else REPEATS
     if args.serve:  # the prompt cache's and the server's own benchmark (bench/serve.py)
         from ...api.pair import load
         from .serve import run
@@ -288,7 +293,9 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.prompt_lengths:  # long prompts read whole (bench/lengths.py)
         lengths = ",".join(args.prompt_lengths)  # "512 2048" and "512,2048" alike
-        run = LengthRun(lengths, args.target, args.draft, args.max_tokens, args.gguf, args.seed)
+        run = LengthRun(
+            lengths, args.target, args.draft, args.max_tokens, args.gguf, args.seed, args.repeats
+        )
         bench_lengths(run, args.output, args.charts, args.quiet)
         return 0
     skip = ("func", "command", "serve", "turns", "prompt_lengths")
@@ -327,7 +334,13 @@ def register(subparsers: Any) -> None:
         default=0,
         help="let the adaptive row weigh trees of up to this many nodes (0 = chains)",
     )
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,  # None: not given, so each mode takes its own default (_run)
+        help=f"timed runs of each row, reported as medians (default {REPEATS}; "
+        f"--prompt-lengths: {LENGTH_REPEATS}, long prompts being slow)",
+    )
     p.add_argument(
         "--methods",
         help=f"comma-separated subset of {', '.join(METHODS)}: exactly these run (default: "
@@ -355,6 +368,7 @@ def register(subparsers: Any) -> None:
         help="instead: one prompt of exactly N ids per length (Python's own sources and a "
         "request to summarize them), read whole by macspec plain and the default, and by "
         "llama.cpp with --gguf: TTFT, prefill and decode tok/s, peak RSS and a chart "
-        "(uses --target, --draft, --max-tokens, --gguf, --seed, --output, --no-charts, --quiet)",
+        "(uses --target, --draft, --max-tokens, --repeats, --gguf, --seed, --output, "
+        "--no-charts, --quiet)",
     )
     p.set_defaults(func=_run)

@@ -7,7 +7,9 @@ own draft context) decode it greedily with the prompt cache emptied first, and l
 the same ids from the GGUF file with --gguf and the optional package xllamacpp. Every row is
 timed from outside, as `macspec bench`'s others: the time to the first token (TTFT), prompt ids
 over TTFT (prefill tok/s), tokens after the first over the time after it (decode tok/s); and the
-process's peak RSS during the row (rss.py). docs/benchmarks.md, "Long prompts".
+process's peak RSS during the row (rss.py). Each row runs `repeats` times (the methods taking
+turns at each length) and reports the medians, the TTFT's and decode tok/s's ranges and the
+largest peak RSS. docs/benchmarks.md, "Long prompts".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import collections
 import logging
 import platform
 import shutil
+import statistics
 import subprocess
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ PEER = Method("llamacpp_plain")
 NAMES = {PLAIN.method: "plain", DEFAULT.method: "default", PEER.method: "llama.cpp plain"}
 RATIOS = ("ttft_default_over_plain", "decode_default_over_plain", "prefill_plain_over_llamacpp")
 WARM_IDS = 64  # the warm-up's prompt: the first ids of the shortest one
+EACH = ("ttft_s", "prefill_tok_s", "decode_tok_s", "tokens", "acceptance_rate", "peak_rss_bytes")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class LengthRun:
     max_tokens: int = 128
     gguf: str | None = None  # llama.cpp's rows: the GGUF file the target was converted from
     seed: int = 0
+    repeats: int = 1  # timed runs of each row (long prompts are slow: one unless asked)
 
 
 def source_ids(tokenizer: Any) -> list[int]:
@@ -99,6 +104,8 @@ def length_events(
     lengths = parse_numbers(run.lengths, "prompt_lengths", int, 1, "512,2048,4096")
     if run.max_tokens < 2:
         raise OptionError(f"invalid max_tokens={run.max_tokens}: at least 2")
+    if not isinstance(run.repeats, int) or run.repeats < 1:
+        raise OptionError(f"invalid repeats={run.repeats!r}: an integer, at least 1")
     yield Note("loading models ...")
     pairs = load_pairs(run.target, run.draft, [PLAIN.method, DEFAULT.method])
     pair = pairs["model"]
@@ -116,17 +123,23 @@ def length_events(
         runner.llamacpp = LlamaCpp(run.gguf, None, run.max_tokens, room)
     yield from (Note(f"skipping {s['method']}: {s['reason']}") for s in skipped)
 
-    rows: list[dict[str, Any]] = []
-    total = len(lengths) * len(plan)
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}  # (ids, method): each repeat's
+    done, total = 0, len(lengths) * len(plan) * run.repeats
     # macspec's rows first, then llama.cpp's: its server, in this process, keeps the model and
     # its cache resident and would count in every later macspec row's peak RSS.
     for group in ([m for m in plan if m.method != PEER.method], [m for m in plan if m == PEER]):
         if group:
             warm = min(prompts, key=len)[:WARM_IDS]
             yield from _warm_up(runner, group, warm, run.seed)
+        # At each length the methods take turns, repeat by repeat (plain, default, plain, ...):
+        # drift in the machine's load hits them alike.
         for ids in prompts:
-            for m in group:
-                rows.append((yield from _row(runner, m, ids, (len(rows) + 1, total), run.seed)))
+            for rep in range(run.repeats):
+                for m in group:
+                    done += 1
+                    one = yield from _timed(runner, m, ids, rep, (done, total), run.seed)
+                    runs.setdefault((len(ids), m.method), []).append(one)
+    rows = [_row(n, method, each) for (n, method), each in runs.items()]
     rows.sort(key=lambda r: (lengths.index(r["ids"]), names.index(r["method"])))
     result = {
         "meta": _meta(pairs, runner, run, lengths),
@@ -146,20 +159,17 @@ def _warm_up(runner: Runner, group: list[Method], ids: list[int], seed: int) -> 
         yield from run_events(runner, m, ids, rec, "warm-up", n, len(group))
 
 
-def _row(
-    runner: Runner, m: Method, ids: list[int], count: tuple[int, int], seed: int
+def _timed(
+    runner: Runner, m: Method, ids: list[int], rep: int, count: tuple[int, int], seed: int
 ) -> Generator[RunUpdate, None, dict[str, Any]]:
-    """One method on one prompt (`count`: its place among the runs) as a row of the table."""
-    rec = RunRecord(m.method, m.label, m.num_draft, "lengths", f"{len(ids)} ids", 0.0, 0, seed)
+    """One method on one prompt, repeat `rep` (`count`: its place among the runs), measured."""
+    rec = RunRecord(m.method, m.label, m.num_draft, "lengths", f"{len(ids)} ids", 0.0, rep, seed)
     reset = reset_peak()
     start = resident()
     yield from run_events(runner, m, ids, rec, "run", *count)
     peak = peak_rss(reset)
     ttft = rec.first_time
     return {
-        "ids": len(ids),
-        "method": m.method,
-        "label": NAMES[m.method],
         "ttft_s": ttft,
         "prefill_tok_s": len(ids) / ttft if ttft else None,
         "decode_tok_s": rec.decode_tokens / rec.decode_time if rec.decode_time else None,
@@ -171,6 +181,43 @@ def _row(
         "mlx_peak_bytes": rec.peak_memory or None,  # MLX's own count (macspec's rows)
         "text": rec.text,
     }
+
+
+def _row(ids: int, method: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A row of the table from its repeats: medians, the TTFT's and decode tok/s's [min, max],
+    the largest peak RSS; the answer (greedy: the same each time) and the RSS before, the
+    first's. `each`: every repeat's own figures, in order."""
+    first = runs[0]
+    mlx_peaks = [r["mlx_peak_bytes"] for r in runs if r["mlx_peak_bytes"]]
+    return {
+        "ids": ids,
+        "method": method,
+        "label": NAMES[method],
+        "repeats": len(runs),
+        "ttft_s": _median(runs, "ttft_s"),
+        "ttft_range": _range(runs, "ttft_s"),
+        "prefill_tok_s": _median(runs, "prefill_tok_s"),
+        "decode_tok_s": _median(runs, "decode_tok_s"),
+        "decode_tps_range": _range(runs, "decode_tok_s"),
+        "tokens": first["tokens"],
+        "acceptance_rate": _median(runs, "acceptance_rate"),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs),
+        "peak_rss_scope": first["peak_rss_scope"],
+        "rss_at_start_bytes": first["rss_at_start_bytes"],
+        "mlx_peak_bytes": max(mlx_peaks) if mlx_peaks else None,
+        "text": first["text"],
+        "each": [{k: r[k] for k in EACH} for r in runs],
+    }
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def _range(runs: list[dict[str, Any]], key: str) -> list[float] | None:
+    values = [r[key] for r in runs if r[key] is not None]
+    return [min(values), max(values)] if values else None
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -215,6 +262,7 @@ def _meta(
         "max_tokens": run.max_tokens,
         "temperature": 0.0,
         "seed": run.seed,
+        "repeats": run.repeats,
         "llamacpp": runner.llamacpp.describe() if runner.llamacpp is not None else None,
         "loadavg": loadavg(),
     }
@@ -237,9 +285,11 @@ def format_lengths(result: dict[str, Any]) -> str:
         "|---:|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        ttft = _spread(r["ttft_s"], r.get("ttft_range"), r.get("repeats", 1), 2)
+        decode = _spread(r["decode_tok_s"], r.get("decode_tps_range"), r.get("repeats", 1), 2)
         out.append(
-            f"| {r['ids']:,} | {r['label']} | {r['ttft_s']:.2f} | {_fmt(r['prefill_tok_s'], 1)} | "
-            f"{_fmt(r['decode_tok_s'], 2)} | {r['peak_rss_bytes'] / 2**20:,.0f} |"
+            f"| {r['ids']:,} | {r['label']} | {ttft} | {_fmt(r['prefill_tok_s'], 1)} | "
+            f"{decode} | {r['peak_rss_bytes'] / 2**20:,.0f} |"
         )
     out += [
         "",
@@ -250,10 +300,18 @@ def format_lengths(result: dict[str, Any]) -> str:
         cells = " | ".join(_fmt(q[k], 2, "x") for k in RATIOS)
         out.append(f"| {q['ids']:,} | {cells} |")
     scopes = {r["peak_rss_scope"] for r in result["rows"]}
+    repeats = meta.get("repeats", 1)
     out += [
         "",
         "TTFT: to the first token, the whole prompt read (prompt cache emptied); prefill: prompt "
         "ids / TTFT; decode: tokens after the first over the time after it.",
+    ]
+    if repeats > 1:
+        out.append(
+            f"{repeats} repeats a row, the methods taking turns at each length: medians, "
+            "(min-max) beside TTFT and decode; peak RSS: the largest."
+        )
+    out += [
         f"peak RSS: the whole process's ({', '.join(sorted(scopes))}): models loaded for the "
         "other rows count too (macspec's in llama.cpp's rows, which run last).",
     ]
@@ -263,6 +321,13 @@ def format_lengths(result: dict[str, Any]) -> str:
 
 def _fmt(value: float | None, digits: int, unit: str = "") -> str:
     return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _spread(value: float | None, span: list[float] | None, repeats: int, digits: int) -> str:
+    """A median, with its repeats' min-max when there were several: "7.20 (6.90-7.60)"."""
+    if repeats < 2 or value is None or not span:
+        return _fmt(value, digits)
+    return f"{_fmt(value, digits)} ({_fmt(span[0], digits)}-{_fmt(span[1], digits)})"
 
 
 def _files(result: dict[str, Any], charts: bool) -> Callable[[Path], list[Path]]:
