@@ -179,6 +179,50 @@ def test_corpus_rows_are_seeded_and_grow_with_tokens(tmp_path):
     assert {r.group for r in more} > {r.group for r in few}
 
 
+def test_a_resumed_run_keeps_the_ids_its_head_was_trained_over(run, tmp_path):
+    target, corpus, _ = run
+    first = d.distill(
+        str(target),
+        str(tmp_path / "draft"),
+        kind="eagle3",
+        corpus=str(corpus),
+        tokens=600,
+        **{**RUN, "epochs": 1},
+    )
+    ckpt = tmp_path / ".distill-draft" / "checkpoints"
+    chosen = json.loads((ckpt / "vocab.json").read_text())
+    assert chosen == load(first).d2t.tolist()
+    # Other ids than the data would give: a resumed run with more data keeps these, as its
+    # head's rows were trained for them (choosing afresh would scramble the head).
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    other = sorted(set(range(vocab)) - set(chosen[-5:]))[: len(chosen)]
+    assert other != chosen
+    (ckpt / "vocab.json").write_text(json.dumps(other))
+    again = d.distill(
+        str(target),
+        str(first),
+        kind="eagle3",
+        corpus=str(corpus),
+        tokens=1500,
+        resume=True,
+        force=True,
+        **{**RUN, "epochs": 1},
+    )
+    assert load(again).d2t.tolist() == other
+    (ckpt / "vocab.json").unlink()  # a checkpoint whose ids are unknown: refused
+    with pytest.raises(ModelError, match=r"checkpoint\.safetensors has no readable vocab\.json"):
+        d.distill(
+            str(target),
+            str(first),
+            kind="eagle3",
+            corpus=str(corpus),
+            tokens=2000,
+            resume=True,
+            force=True,
+            **{**RUN, "epochs": 1},
+        )
+
+
 def test_bad_corpora_and_resumes_are_refused_by_name(run, tmp_path):
     target, corpus, out = run
     small = {**RUN, "tokens": 200, "epochs": 1}

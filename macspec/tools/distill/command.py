@@ -34,7 +34,7 @@ from .eagle3_kind import FORMAT, eagle3_config, eagle3_taps, new_draft
 from .evaluation import agreement, draft_report
 from .progress import say
 from .self_prompts import self_prompts
-from .training import init_draft, start_draft, train
+from .training import init_draft, keep_vocab, kept_vocab, start_draft, train
 
 # The settings a resumed run must share with the one that made its data and checkpoints
 # (run.json); tokens and epochs may grow.
@@ -273,21 +273,24 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
     cfg, pair = run.config, run.pair
     train_rows, held = data.split()
     mx.random.seed(cfg.seed)
+    ckpt_dir = run.work / "checkpoints"
+    kept = kept_vocab(ckpt_dir) if cfg.resume else None
     if cfg.kind == "eagle3":
-        vocab_ids = choose_vocab(data, cfg.vocab, set(pair.eos_token_ids), pair.vocab_size)
+        vocab_ids = kept or choose_vocab(data, cfg.vocab, set(pair.eos_token_ids), pair.vocab_size)
         parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
         config = eagle3_config(pair, run.taps, run.layers, cfg.mlp, vocab_ids)
         draft = new_draft(config, run.taps, data, parts.head)
     else:
-        draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from)
+        draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from, kept)
         parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+    keep_vocab(ckpt_dir, vocab_ids)
     before = agreement(draft, parts, data, held, cfg.unroll)
     start = time.perf_counter()
     facts = train(
         draft,
         parts,
         data,
-        run.work / "checkpoints",
+        ckpt_dir,
         epochs=cfg.epochs,
         batch_rows=cfg.batch_rows,
         lr=cfg.learning_rate,

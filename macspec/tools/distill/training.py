@@ -220,18 +220,49 @@ def _save(draft: Any, opt: optim.Optimizer, ckpt_dir: Path, step: int, steps: in
     (ckpt_dir / "checkpoint.json").write_text(json.dumps({"step": step, "steps": steps}))
 
 
+def keep_vocab(ckpt_dir: Path, vocab_ids: list[int]) -> None:
+    """Write the ids the draft's head covers beside its checkpoints: a resumed run with more
+    data would choose others, and the trained head's rows would then stand for other ids."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / "vocab.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps([int(i) for i in vocab_ids]))
+    tmp.replace(path)
+
+
+def kept_vocab(ckpt_dir: Path) -> list[int] | None:
+    """The ids a checkpoint in `ckpt_dir` was trained over (None: no checkpoint yet).
+    ModelError for a checkpoint without them (written before they were kept), whose head's
+    ids cannot be known once the data has grown."""
+    path = ckpt_dir / "vocab.json"
+    if not (ckpt_dir / "checkpoint.safetensors").is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(
+            f"{ckpt_dir / 'checkpoint.safetensors'} has no readable {path.name} ({e}): the ids "
+            "its head was trained over are unknown; start afresh (delete the directory)"
+        ) from e
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise ModelError(f"{path}: not a list of token ids")
+    return ids
+
+
 def start_draft(
     data: Dataset,
     config: dict,
     vocab: int,
     pair: Any,
     start_from: tuple[Any, list[int], Path] | None = None,
+    vocab_ids: list[int] | None = None,
 ) -> tuple[Any, list[int]]:
-    """(draft, vocabulary ids) training starts from: a fresh draft over the `vocab` ids most
-    frequent in the data, or `start_from` (see init_draft), widened when `config` taps layers
-    that draft does not read."""
+    """(draft, vocabulary ids) training starts from: a fresh draft over `vocab_ids` (default
+    the `vocab` ids most frequent in the data), or `start_from` (see init_draft), widened when
+    `config` taps layers that draft does not read."""
     if start_from is None:
-        vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
+        if vocab_ids is None:
+            vocab_ids = choose_vocab(data, vocab, set(pair.eos_token_ids), pair.vocab_size)
         draft = EagleDraft(config)
         draft.init_from_features(*data.feature_stats())
         return draft, vocab_ids
