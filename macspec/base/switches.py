@@ -199,6 +199,14 @@ DRAFT_VOCAB = Switch(
     "how many of the most frequent ids a draft model's head scores; the others come from the "
     "target alone (unset: core/drafters/pruned.py's default for a big vocabulary; 0: every id)",
 )
+DRAFT_BITS = Switch(
+    "MACSPEC_DRAFT_BITS",
+    "choice",
+    "8",
+    "bits of a published EAGLE-3 draft's weights as it runs: 8 or 4 (mlx's affine groups of 64, "
+    "32 for narrow layers), or float (as stored); the draft only proposes, so any is exact",
+    choices=("8", "4", "float"),
+)
 COMM_TIMING = Switch(
     "MACSPEC_COMM_TIMING",
     "flag",
@@ -224,6 +232,7 @@ ALL = (
     DIST_TIMEOUT,
     COMM_TIMING,
     DRAFT_VOCAB,
+    DRAFT_BITS,
     SPECULATE_UNALIKE,
 )
 

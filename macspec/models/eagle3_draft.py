@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..base import switches
 from ..base.errors import ModelError
 from ..core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter, factory
 from ..core.loaded import LoadedPair
@@ -46,5 +47,8 @@ def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
         draft.load_weights(weights, strict=True)
     except ValueError as e:
         raise ModelError(f"the EAGLE-3 draft in {path} does not fit its config: {e}") from e
+    bits = switches.DRAFT_BITS.value()
+    if bits != "float":
+        draft.quantize(int(bits))
     mx.eval(draft.parameters())
     return factory(draft, ckpt.d2t, pair.target, pair.vocab_size, pair.kernels)

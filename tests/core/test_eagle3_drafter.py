@@ -199,6 +199,7 @@ def test_distribution_at_temperature_one(small_pair, options, broken, monkeypatc
     pair = small_pair
     # 7 ids the tokenizer knows (of 9 rows); the draft proposes fewer (q = 0 on the others)
     assert pair.vocab_size == 7 and pair.make_drafter(False).parts.vocab_ids.size < 7
+    assert isinstance(pair.make_drafter(False).draft.fc, nn.QuantizedLinear)  # the default
     if broken:
         monkeypatch.setattr(Eagle3Drafter, "_full", _full_off_by_one)
     prompt, opts = [3, 4, 5, 3], OPTIONS[options]
@@ -337,8 +338,13 @@ def qwen3_layers(config, arrays):
         arrays[f"layers.0.self_attn.{name}.weight"] = 1 + 0.2 * mx.random.normal((8,))
 
 
+@pytest.mark.parametrize("bits", ["float", "8"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant):
+def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant, bits, monkeypatch):
+    """As stored (float), the published forward to float rounding; with 8-bit weights (the
+    default), its products quantized, and close to it (the draft only proposes: exactness does
+    not depend on it, the greedy and T=1 tests above run the default)."""
+    monkeypatch.setenv("MACSPEC_DRAFT_BITS", bits)
     target, _ = dirs
     fmt, flags = VARIANTS[variant]
 
@@ -364,7 +370,16 @@ def test_the_draft_computes_the_published_forward(dirs, tmp_path, variant):
     out = draft.step(draft.state(mx.concatenate([features, final], -1)), embeds)
     got = draft.decode(out) @ draft.head_weight().T
     want = reference_forward(w, fmt, features, embeds, **flags)
-    assert mx.allclose(got, want, atol=2e-4, rtol=1e-4).item(), variant
+    quantized = [p for p, m in draft.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    if bits == "float":
+        assert not quantized
+        assert mx.allclose(got, want, atol=2e-4, rtol=1e-4).item(), variant
+        return
+    assert {"fc", "layers.0.self_attn.q_proj", "layers.0.mlp.down_proj"} <= set(quantized)
+    assert ("lm_head" in quantized) == ("lm_head" in draft)
+    assert not mx.allclose(got, want, atol=2e-4, rtol=1e-4).item()  # quantized indeed
+    error = mx.abs(got - want).max() / mx.abs(want).max()
+    assert error.item() < 0.05, (variant, error.item())
     # and the draft's ids are the target ids d2t names (offsets: target = draft + d2t)
     d2t = np.array(w["d2t"]).astype(np.int64)
     assert parts.vocab_ids.tolist() == (np.arange(60) + d2t).tolist()
