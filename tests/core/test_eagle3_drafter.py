@@ -403,3 +403,34 @@ def test_a_qwen3_draft_recycling_normed_states_drafts_exactly(dirs, tmp_path):
         plain = macspec.generate(pair, prompt, max_tokens=16, speculative=False)
         for kw in ({"num_draft": 3, "adaptive": False}, {"num_draft": 3, "tree_nodes": 4}):
             assert macspec.generate(pair, prompt, max_tokens=16, **kw).tokens == plain.tokens
+
+
+@pytest.mark.parametrize("bits", ["float", "8"])
+def test_drafts_in_generation_are_the_teacher_forced_predictions(dirs, bits, monkeypatch):
+    """Each K=1 draft the loop proposes is the draft's prediction from the target's real
+    features of the context, as distill trains and measures it (teacher forcing): the taps the
+    target's passes hand the drafter are the right layers at the right positions. Exactness
+    cannot see a wrong feature (the draft only proposes); acceptance would fall silently."""
+    monkeypatch.setenv("MACSPEC_DRAFT_BITS", bits)
+    target, drafts = dirs
+    pair = load(target, drafts["speculators"], drafter="model")
+    prompt = [1, 10, 11, 12, 13, 10, 11]
+    proposed = []  # (index in the sequence, draft id)
+    at = len(prompt)
+    for ev in macspec.stream_generate(
+        pair, prompt, max_tokens=40, num_draft=1, adaptive=False, temperature=0
+    ):
+        drafts_ = list(ev.accepted) + list(ev.rejected)
+        if drafts_:
+            proposed.append((at, drafts_[0]))
+        at += len(ev.emitted)
+    seq = prompt + macspec.generate(pair, prompt, max_tokens=40, speculative=False).tokens
+    drafter = pair.make_drafter(False)
+    draft, parts = drafter.draft, drafter.parts
+    feats = hidden_states(pair.target, mx.array(seq), None, drafter.feature_layers)
+    out = draft.step(draft.state(feats[:-1][None]), parts.embed(mx.array(seq[1:]))[None])
+    guess = parts.vocab_ids[mx.argmax(parts.logits(draft.decode(out)[0]), axis=-1)].tolist()
+    # guess[t] is read from (features of t, id t + 1): the id at t + 2
+    assert len(proposed) > 10
+    assert [d for _, d in proposed] == [guess[i - 2] for i, _ in proposed]
+    assert 0 < sum(seq[i] == d for i, d in proposed) < len(proposed)  # some kept, some not
