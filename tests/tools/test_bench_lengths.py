@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from support.tinymodels import make_tiny_model
 
-from macspec.api.pair import load
+from macspec.api.pair import DRAFT_CONTEXT, load
 from macspec.base.errors import OptionError
 from macspec.cli import main
 from macspec.tools.bench import command as bm
@@ -133,11 +133,12 @@ def test_lengths_past_the_context_are_refused(tiny_pair, capsys):
 def test_cli_takes_lengths_spaced_or_comma_separated(tiny_pair, tmp_path, capsys):
     argv = ["bench", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--max-tokens", "4"]
     argv += ["--prompt-lengths", "150,160", "170", "--no-charts", "--output", str(tmp_path)]
-    assert main(argv) == 0
+    assert main([*argv, "--draft-context", "64"]) == 0
     printed = capsys.readouterr()
     assert "| 170 | default |" in printed.out and "[6/6]" in printed.err
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["meta"]["lengths"] == [150, 160, 170]
+    assert saved["meta"]["draft_context"] == 64  # the default pair's draft reads 64 ids
     assert saved["meta"]["repeats"] == 1  # --repeats not given: this mode's default, one
     assert not (tmp_path / "lengths.png").exists() and (tmp_path / "lengths.md").exists()
     assert main([*argv, "--serve"]) == 2
@@ -236,9 +237,14 @@ def test_cli_repeats_defaults_by_mode(monkeypatch, capsys):
     assert seen["lengths"].repeats == 2
     assert main(["bench", "--quiet"]) == 0
     assert seen["bench"]["repeats"] == 3  # the other benchmark's default, as before
+    assert seen["bench"]["draft_context"] == seen["lengths"].draft_context == DRAFT_CONTEXT
+    assert main(["bench", "--prompt-lengths", "200", "--draft-context", "0", "--quiet"]) == 0
+    assert seen["lengths"].draft_context == 0
     monkeypatch.undo()
     assert main(["bench", "--prompt-lengths", "200", "--repeats", "0", "--quiet"]) == 2
     assert "invalid repeats=0" in capsys.readouterr().err
+    assert main(["bench", "--prompt-lengths", "200", "--draft-context", "-1", "--quiet"]) == 2
+    assert "invalid draft_context=-1" in capsys.readouterr().err
 
 
 def test_peak_rss_is_positive_and_follows_a_reset():

@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...api.pair import DRAFT_CONTEXT
 from ...api.stream import prompt_ids
 from ...base import platform_info as be
 from ...base.errors import OptionError
@@ -111,6 +112,7 @@ def bench_events(
     charts: bool = True,
     gguf: str | None = None,
     draft_gguf: str | None = None,
+    draft_context: int = DRAFT_CONTEXT,
 ) -> Iterator[Note | RunUpdate | Finished]:
     """The benchmark as a stream of events: notes, each run's progress, then the result.
 
@@ -129,7 +131,7 @@ def bench_events(
     prompt_list = select_prompts(prompts, kinds, per_kind)
 
     yield Note("loading models ...")
-    pairs = load_pairs(target, draft, method_names)
+    pairs = load_pairs(target, draft, method_names, draft_context)
     runner = Runner(pairs, max_tokens)
     peers = unavailable(gguf, draft_gguf) if set(method_names) & set(LLAMACPP) else {}
     plan, skipped = plan_methods(method_names, ks, pairs, trees, adaptive_tree_nodes, peers)
@@ -294,7 +296,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.prompt_lengths:  # long prompts read whole (bench/lengths.py)
         lengths = ",".join(args.prompt_lengths)  # "512 2048" and "512,2048" alike
         run = LengthRun(
-            lengths, args.target, args.draft, args.max_tokens, args.gguf, args.seed, args.repeats
+            lengths,
+            args.target,
+            args.draft,
+            args.max_tokens,
+            args.gguf,
+            args.seed,
+            args.repeats,
+            args.draft_context,
         )
         bench_lengths(run, args.output, args.charts, args.quiet)
         return 0
@@ -350,6 +359,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--gguf", help="llama.cpp's rows: the GGUF file the target was converted from")
     p.add_argument("--draft-gguf", help="llamacpp_draft: the draft's GGUF file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--draft-context",
+        type=int,
+        metavar="N",
+        default=DRAFT_CONTEXT,
+        help=f"the draft model reads only a prompt's last N ids (default {DRAFT_CONTEXT}; 0: all)",
+    )
     p.add_argument("--output", help="directory for bench.json and the charts (default runs/...)")
     p.add_argument("--no-charts", dest="charts", action="store_false")
     p.add_argument("--quiet", action="store_true", help="no progress and no table")

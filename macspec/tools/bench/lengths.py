@@ -30,6 +30,7 @@ from typing import Any
 import mlx.core as mx
 
 from ...api.options import GenerationOptions
+from ...api.pair import DRAFT_CONTEXT
 from ...base import platform_info as be
 from ...base.errors import OptionError
 from .llamacpp import LlamaCpp, check_vocabulary, unavailable
@@ -61,6 +62,7 @@ class LengthRun:
     gguf: str | None = None  # llama.cpp's rows: the GGUF file the target was converted from
     seed: int = 0
     repeats: int = 1  # timed runs of each row (long prompts are slow: one unless asked)
+    draft_context: int = DRAFT_CONTEXT  # the ids of a prompt's end a draft model reads (0: all)
 
 
 def source_ids(tokenizer: Any) -> list[int]:
@@ -107,7 +109,7 @@ def length_events(
     if not isinstance(run.repeats, int) or run.repeats < 1:
         raise OptionError(f"invalid repeats={run.repeats!r}: an integer, at least 1")
     yield Note("loading models ...")
-    pairs = load_pairs(run.target, run.draft, [PLAIN.method, DEFAULT.method])
+    pairs = load_pairs(run.target, run.draft, [PLAIN.method, DEFAULT.method], run.draft_context)
     pair = pairs["model"]
     check_lengths(lengths, pair.context_length, run.max_tokens)
     source = source_ids(pair.tokenizer)

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...api.pair import load, share
+from ...api.pair import DRAFT_CONTEXT, load, share
 from ...base.errors import OptionError
 from ...core.policy import COPY_FACTOR
 from ...cpu import kernels
@@ -119,14 +119,17 @@ def _has_drafter(pair: Any) -> bool:
     return pair.draft is not None or pair.drafter_factory is not None
 
 
-def load_pairs(target: str | None, draft: str | None, methods: list[str]) -> dict[str, Any]:
+def load_pairs(
+    target: str | None, draft: str | None, methods: list[str], draft_context: int = DRAFT_CONTEXT
+) -> dict[str, Any]:
     """The pairs the methods need: "model" (the draft model alone: mlx-lm's methods, macspec
     fixed K and plain), "default" (macspec's own default drafting: adaptive K) and "ngram".
     Each adaptive pair measures its costs in the warm-up, not at load: only the pairs a method
-    uses pay for it."""
+    uses pay for it. `draft_context`: the ids of a prompt's end a draft model reads (load())."""
     # drafter="model" needs a draft model: the default pair's, or the one given.
     drafter = "model" if draft is not None or target is None else None
-    pairs = {"model": load(target, draft, drafter=drafter, measure=False)}
+    pair = load(target, draft, drafter=drafter, measure=False, draft_context=draft_context)
+    pairs = {"model": pair}
     # The other pairs share the loaded models: one copy of the weights in memory, not three.
     if "macspec_adaptive" in methods:
         pairs["default"] = share(pairs["model"], None)
