@@ -101,6 +101,19 @@ def test_training_raises_acceptance(run, tmp_path):
     assert acceptance(trained, prompts) > acceptance(before, prompts) + 0.1
 
 
+def _interrupt_at(monkeypatch, call: int) -> None:
+    """Training stops (KeyboardInterrupt) when it asks for its `call`-th batch."""
+    real_batch, calls = Dataset.batch, []
+
+    def interrupted(self, rows):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real_batch(self, rows)
+
+    monkeypatch.setattr(Dataset, "batch", interrupted)
+
+
 def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
     target, out = run
     data = Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
@@ -115,18 +128,10 @@ def test_resume_repeats_the_same_steps(run, monkeypatch, tmp_path):
 
     mx.random.seed(0)
     part = EagleDraft(config)
-    real_batch, calls = Dataset.batch, []
-
-    def interrupted(self, rows):
-        calls.append(1)
-        if len(calls) == 7:
-            raise KeyboardInterrupt
-        return real_batch(self, rows)
-
-    monkeypatch.setattr(Dataset, "batch", interrupted)
+    _interrupt_at(monkeypatch, 7)
     with pytest.raises(KeyboardInterrupt):
         train(part, parts, data, tmp_path / "b", checkpoint_every=2, **kw)
-    monkeypatch.setattr(Dataset, "batch", real_batch)
+    monkeypatch.undo()
     assert json.loads((tmp_path / "b" / "checkpoint.json").read_text())["step"] == 6
     mx.random.seed(1)
     resumed = EagleDraft(config)  # other initial weights: the checkpoint must replace them
@@ -142,15 +147,7 @@ def test_checkpoints_come_by_time_too(run, monkeypatch, tmp_path):
     data = Dataset(out.parent / f".distill-{out.name}" / "data", SMALL_RUN["max_new"])
     pair = macspec.load(target)
     parts = TargetParts(pair.target, mx.arange(pair.vocab_size))
-    real_batch, calls = Dataset.batch, []
-
-    def interrupted(self, rows):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real_batch(self, rows)
-
-    monkeypatch.setattr(Dataset, "batch", interrupted)
+    _interrupt_at(monkeypatch, 4)
     kw = {"epochs": 2, "batch_rows": 8, "lr": 3e-3, "seed": 5, "progress": False}
     with pytest.raises(KeyboardInterrupt):  # no step count reached, every second due
         train(

@@ -181,14 +181,14 @@ def test_corpus_rows_are_seeded_and_grow_with_tokens(tmp_path):
 
 def test_a_resumed_run_keeps_the_ids_its_head_was_trained_over(run, tmp_path):
     target, corpus, _ = run
-    first = d.distill(
-        str(target),
-        str(tmp_path / "draft"),
-        kind="eagle3",
-        corpus=str(corpus),
-        tokens=600,
-        **{**RUN, "epochs": 1},
-    )
+
+    def distill(out, tokens, **kw):
+        return d.distill(
+            str(target), str(out), kind="eagle3", corpus=str(corpus), tokens=tokens,
+            **kw, **{**RUN, "epochs": 1},
+        )  # fmt: skip
+
+    first = distill(tmp_path / "draft", 600)
     ckpt = tmp_path / ".distill-draft" / "checkpoints"
     chosen = json.loads((ckpt / "vocab.json").read_text())
     assert chosen == load(first).d2t.tolist()
@@ -198,29 +198,11 @@ def test_a_resumed_run_keeps_the_ids_its_head_was_trained_over(run, tmp_path):
     other = sorted(set(range(vocab)) - set(chosen[-5:]))[: len(chosen)]
     assert other != chosen
     (ckpt / "vocab.json").write_text(json.dumps(other))
-    again = d.distill(
-        str(target),
-        str(first),
-        kind="eagle3",
-        corpus=str(corpus),
-        tokens=1500,
-        resume=True,
-        force=True,
-        **{**RUN, "epochs": 1},
-    )
+    again = distill(first, 1500, resume=True, force=True)
     assert load(again).d2t.tolist() == other
     (ckpt / "vocab.json").unlink()  # a checkpoint whose ids are unknown: refused
     with pytest.raises(ModelError, match=r"checkpoint\.safetensors has no readable vocab\.json"):
-        d.distill(
-            str(target),
-            str(first),
-            kind="eagle3",
-            corpus=str(corpus),
-            tokens=2000,
-            resume=True,
-            force=True,
-            **{**RUN, "epochs": 1},
-        )
+        distill(first, 2000, resume=True, force=True)
 
 
 def test_bad_corpora_and_resumes_are_refused_by_name(run, tmp_path):
