@@ -97,6 +97,10 @@ class GenerationStats:
     # steps, else the registry name of what drafted ("model", "ngram", ...) and the drafts it
     # proposed; ordered plain first, then by drafter and K.
     arms: tuple[tuple[str, int, int, int], ...] = ()
+    # The counts behind per_position_acceptance, to pool several answers: drafts proposed and
+    # accepted at each position.
+    drafted_at: tuple[int, ...] = ()
+    accepted_at: tuple[int, ...] = ()
     # Why the adaptive policy's plain steps were plain: (reason, steps), the most common first
     # (core/tally.py, Decision.reason; empty for a fixed K and for the first token's step).
     plain_reasons: tuple[tuple[str, int], ...] = ()
@@ -209,6 +213,8 @@ class _StatsCounter:
                 )
             ),
             plain_reasons=() if self.reasons is None else self.reasons.plain_steps(),
+            drafted_at=tuple(self.drafted_at),
+            accepted_at=tuple(self.accepted_at),
         )
 
 

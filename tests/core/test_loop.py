@@ -174,6 +174,13 @@ def test_stream_events_add_up(pair):
     assert s.speculative_rounds == len(events) - 1
     assert s.mean_accepted_length == sum(len(e.emitted) for e in events[1:]) / (len(events) - 1)
     assert len(s.per_position_acceptance) == 3
+    # The counts behind the rates, by position: a draft at position i was proposed in every
+    # round of more than i drafts, accepted in every round that kept more than i.
+    assert s.drafted_at == tuple(sum(e.num_draft > i for e in events) for i in range(3))
+    assert s.accepted_at == tuple(sum(len(e.accepted) > i for e in events) for i in range(3))
+    assert s.per_position_acceptance == tuple(
+        a / d for a, d in zip(s.accepted_at, s.drafted_at, strict=True)
+    )
     assert events[-1].finish_reason == "length"
 
 

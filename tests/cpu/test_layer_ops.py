@@ -249,6 +249,20 @@ def test_query_heads_in_uneven_groups_agree_with_mlx_and_each_row_with_that_row_
         assert np.array_equal(np.array(alone)[0, 0], together[0, i])
 
 
+@pytest.mark.parametrize("heads,d", [(7, 128), (6, 64), (5, 72), (3, 16)])
+def test_each_query_head_gets_the_bits_it_gets_alone(heads, d):
+    # With AVX-512 the heads of a group are scored two to a register and weighed 16 lanes at a
+    # time; every head's sums are still its own, in its own order: a head attending alone (a
+    # group of one, 8 lanes at a time) gives the same bits. Keys not a multiple of 8, 256.
+    rows, context = 5, 530
+    q, k, v = _attention_case(rows, context, heads=heads, kv_heads=1, d=d)
+    scale = d**-0.5
+    together = np.array(ext.attend(q, k, v, scale, True)).reshape(rows, heads, d)
+    for h in range(heads):
+        alone = np.array(ext.attend(q[:, h : h + 1], k, v, scale, True))[0]
+        assert np.array_equal(alone, together[:, h])
+
+
 def test_bad_shapes_are_refused_with_a_message():
     q, k, v = _attention_case(2, 3)
     with pytest.raises(ValueError, match="macspec attend"):

@@ -65,6 +65,8 @@ def test_report_has_the_evaluation(run):
         chat = report["evaluation"][t]["chat"]
         assert 0.0 <= chat["acceptance_rate"] <= 1.0
         assert 1.0 <= chat["mean_accepted_length"] <= 5.0
+        by_position = chat["acceptance_by_position"]  # pooled over the answers, K=4
+        assert 1 <= len(by_position) <= 4 and all(0.0 <= a <= 1.0 for a in by_position)
     speed = report["evaluation"]["speed_chat_temperature_0"]
     assert speed["plain"]["tokens_per_second"] > 0 and "speedup" in speed["adaptive_k"]
     assert 0.0 < report["vocab"]["coverage"] <= 1.0

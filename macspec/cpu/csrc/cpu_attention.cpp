@@ -32,7 +32,9 @@ namespace macspec {
 // Query heads worked on together, and the 8-float vectors of a value row each keeps in registers:
 // a key or value row is read once for the group. 32 vector registers (AVX-512) hold 3 heads x 8
 // keys of sums; AVX2's 16 hold fewer. Only the order memory is read in changes with these: every
-// score and weighed value is the same sum, in the same order, for any group.
+// score and weighed value is the same sum, in the same order, for any group. With AVX-512 the
+// scores of up to 6 heads are summed two heads to a register and the values weighed 16 lanes at
+// a time (score_pairs, weigh_wide): the same sums again, at 1.6x the speed (docs/cpu.md).
 #if defined(__AVX512VL__)
 constexpr int HEADS = 3, VECS = 8;
 #else
@@ -100,12 +102,149 @@ static void score_keys(const float* const* q, const float* kb, size_t kt, int t0
   }
 }
 
+#if defined(__AVX512F__)
+// 16 floats, one AVX-512 register: two 8-lane vectors side by side.
+typedef float f8x2 __attribute__((vector_size(64)));
+typedef float f8x2u __attribute__((vector_size(64), aligned(4)));
+
+// [a[0..8) | b[0..8)]
+static inline f8x2 load8x2(const float* a, const float* b) {
+  const __m256d lo = _mm256_loadu_pd((const double*)a), hi = _mm256_loadu_pd((const double*)b);
+  return (f8x2)_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1);
+}
+
+// [a[0..8) | a[0..8)]: one load, no shuffle port
+static inline f8x2 twice8(const float* a) {
+  return (f8x2)_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)a));
+}
+
+typedef int32_t i8x2 __attribute__((vector_size(64)));
+
+// exp8 (layer.h) on 16 lanes: the same operations lane by lane, so the same bits.
+static inline f8x2 exp8x2(f8x2 x) {
+  const f8x2 lo = f8x2{} - 127.0f, hi = f8x2{} + 127.0f;
+  f8x2 t = x * 1.4426950408889634f;
+  t = t < lo ? lo : (t > hi ? hi : t);
+  f8x2 n = (f8x2)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  f8x2 f = t - n;
+  f8x2 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  i8x2 bits = (__builtin_convertvector(n, i8x2) + 127) << 23;
+  f8x2 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return t > lo ? p * scale : f8x2{};
+}
+
+// score_keys for 2P query heads in pairs: each register holds two heads' 8 lanes side by side
+// against one key's 8 lanes loaded into both halves, so every lane sums the very products
+// score_keys<G> sums, in the same order (the same bits), at twice the lanes an instruction.
+template <int P>
+static void score_pairs(const float* const* q, const float* kb, size_t kt, int t0, int t1, int D,
+                        float* const* s) {
+  const int D8 = D - D % 8;
+  // Each pair's lanes as they are multiplied, laid out once for all the keys
+  thread_local std::vector<f8x2> paired;
+  paired.resize((size_t)P * (D8 / 8));
+  for (int p = 0; p < P; p++) {
+    for (int d = 0; d < D8; d += 8) {
+      paired[(size_t)p * (D8 / 8) + d / 8] = load8x2(q[2 * p] + d, q[2 * p + 1] + d);
+    }
+  }
+  int t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    f8x2 acc[P][8];
+    for (int p = 0; p < P; p++) {
+      for (int r = 0; r < 8; r++) {
+        acc[p][r] = f8x2{};
+      }
+    }
+    for (int d = 0; d < D8; d += 8) {
+      f8x2 qv[P];
+      for (int p = 0; p < P; p++) {
+        qv[p] = paired[(size_t)p * (D8 / 8) + d / 8];
+      }
+      for (int r = 0; r < 8; r++) {
+        const f8x2 kv = twice8(kb + (t + r) * kt + d);
+        for (int p = 0; p < P; p++) {
+          acc[p][r] += qv[p] * kv;
+        }
+      }
+    }
+    for (int p = 0; p < P; p++) {
+      for (int h = 0; h < 2; h++) {  // head 2p's lanes are the low half, 2p + 1's the high
+        f8 half[8];
+        for (int r = 0; r < 8; r++) {
+          const __m512d a = (__m512d)acc[p][r];
+          half[r] = (f8)(h ? _mm512_extractf64x4_pd(a, 1) : _mm512_castpd512_pd256(a));
+        }
+        const float* qg = q[2 * p + h];
+        f8 sums = hsum8x8(half);
+        for (int r = 0; r < 8 && D8 < D; r++) {
+          for (int d = D8; d < D; d++) {
+            sums[r] += qg[d] * kb[(t + r) * kt + d];
+          }
+        }
+        store8(s[2 * p + h] + t, sums);
+      }
+    }
+  }
+  for (; t < t1; t++) {
+    for (int g = 0; g < 2 * P; g++) {
+      s[g][t] = dot(q[g], kb + t * kt, D);
+    }
+  }
+}
+
+// Lanes d0 <= d < d0 + 16 V of acc[g] += p[g][t] * value t, t in order: each lane's sum is
+// weigh_keys's own (lanes are independent), 16 lanes an instruction.
+template <int G, int V>
+static inline void weigh_wide(const float* const* p, const float* vb, size_t vt, int t0, int t1,
+                              int d0, float* const* acc) {
+  f8x2 a[G][V];
+  for (int g = 0; g < G; g++) {
+    for (int v = 0; v < V; v++) {
+      a[g][v] = *(const f8x2u*)(acc[g] + d0 + 16 * v);
+    }
+  }
+  for (int t = t0; t < t1; t++) {
+    const float* vr = vb + t * vt + d0;
+    for (int v = 0; v < V; v++) {
+      f8x2 x = *(const f8x2u*)(vr + 16 * v);
+      asm("" : "+v"(x));  // one load for the G heads (else GCC folds one into each product)
+      for (int g = 0; g < G; g++) {
+        a[g][v] = a[g][v] + p[g][t] * x;
+      }
+    }
+  }
+  for (int g = 0; g < G; g++) {
+    for (int v = 0; v < V; v++) {
+      *(f8x2u*)(acc[g] + d0 + 16 * v) = a[g][v];
+    }
+  }
+}
+#endif
+
 // acc[g] += p[g][t] * value t over t0 <= t < t1 in order, for G query heads: V vectors of each
 // head's sums in registers at a time, each value vector read once for the group.
 template <int G, int V>
 static void weigh_keys(const float* const* p, const float* vb, size_t vt, int t0, int t1, int D,
                        float* const* acc) {
   int d0 = 0;
+#if defined(__AVX512F__)
+  for (; d0 + 128 <= D; d0 += 128) {
+    weigh_wide<G, 8>(p, vb, vt, t0, t1, d0, acc);
+  }
+  for (; d0 + 64 <= D; d0 += 64) {
+    weigh_wide<G, 4>(p, vb, vt, t0, t1, d0, acc);
+  }
+  for (; d0 + 16 <= D; d0 += 16) {
+    weigh_wide<G, 1>(p, vb, vt, t0, t1, d0, acc);
+  }
+#endif
   for (; d0 + 8 * V <= D; d0 += 8 * V) {
     f8 a[G][V];
     for (int g = 0; g < G; g++) {
@@ -189,6 +328,29 @@ static inline void by_heads(int left, F&& f) {
   }
 }
 
+// Scores of the next query heads (of `left`); returns how many it scored.
+static inline int score_heads(int left, const float* const* q, const float* kb, size_t kt, int t0,
+                              int t1, int D, float* const* s) {
+#if defined(__AVX512F__)
+  if (left >= 6) {
+    score_pairs<3>(q, kb, kt, t0, t1, D, s);
+    return 6;
+  } else if (left >= 4) {
+    score_pairs<2>(q, kb, kt, t0, t1, D, s);
+    return 4;
+  } else if (left >= 2) {
+    score_pairs<1>(q, kb, kt, t0, t1, D, s);
+    return 2;
+  }
+#endif
+  int done = 0;
+  by_heads(left, [&]<int G>() {
+    score_keys<G>(q, kb, kt, t0, t1, D, s);
+    done = G;
+  });
+  return done;
+}
+
 void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
                  float scale, bool causal, float* y) {
   std::vector<float> qs;
@@ -237,10 +399,8 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
       }
       for (int s0 = 0; s0 < n; s0 += SUB) {  // every head's scores, a sub-block of keys at a time
         const int s1 = std::min(n, s0 + SUB);
-        for (int j = 0; j < rep; j += HEADS) {
-          by_heads(rep - j, [&]<int G>() {
-            score_keys<G>(qs.data() + j, kb, kt, s0, s1, D, ss.data() + j);
-          });
+        for (int j = 0; j < rep;) {
+          j += score_heads(rep - j, qs.data() + j, kb, kt, s0, s1, D, ss.data() + j);
         }
       }
       for (int j = 0; j < rep; j++) {
@@ -271,7 +431,16 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
           continue;
         }
         f8 total{};
-        for (int t = 0; t < padded; t += 8) {
+        int t = 0;
+#if defined(__AVX512F__)
+        for (; t + 16 <= padded; t += 16) {  // total's 8 lanes summed in the same order
+          const f8x2 p = exp8x2(*(const f8x2u*)(sj + t) - top);
+          *(f8x2u*)(sj + t) = p;
+          total += (f8)__builtin_shufflevector(p, p, 0, 1, 2, 3, 4, 5, 6, 7);
+          total += (f8)__builtin_shufflevector(p, p, 8, 9, 10, 11, 12, 13, 14, 15);
+        }
+#endif
+        for (; t < padded; t += 8) {
           const f8 p = exp8(load8(sj + t) - top);
           store8(sj + t, p);
           total += p;

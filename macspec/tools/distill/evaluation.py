@@ -138,9 +138,17 @@ def _summary(stats: list) -> dict:
     emitted = sum(s.mean_accepted_length * s.speculative_rounds for s in stats)
     draft_time = sum(s.draft_time for s in stats)
     plain = [s.plain_step_time for s in stats if s.plain_step_time]
+    width = max((len(s.drafted_at) for s in stats), default=0)
+    at = [
+        (sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)),
+         sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)))
+        for i in range(width)
+    ]
     out = {
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "mean_accepted_length": round(emitted / rounds, 3) if rounds else 1.0,
+        # P(the draft at position i accepted | drafted), over every answer's rounds
+        "acceptance_by_position": [round(a / d, 4) for a, d in at if d],
         "drafted": drafted,
     }
     if drafted and plain:
