@@ -140,8 +140,10 @@ def _summary(stats: list) -> dict:
     plain = [s.plain_step_time for s in stats if s.plain_step_time]
     width = max((len(s.drafted_at) for s in stats), default=0)
     at = [
-        (sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)),
-         sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)))
+        (
+            sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)),
+            sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)),
+        )
         for i in range(width)
     ]
     out = {
