@@ -28,6 +28,7 @@ from macspec.tools.distill.data import (
     parse_feature_layers,
     training_prompts,
 )
+from macspec.tools.distill.evaluation import headline
 from macspec.tools.distill.training import deepen_draft, train, widen_draft
 
 SMALL_RUN = {"tokens": 2000, "max_new": 16, "epochs": 10, "eval_tokens": 8, "progress": False}
@@ -75,6 +76,10 @@ def test_report_has_the_evaluation(run):
         == report["evaluation"]["temperature_0"]["chat"]["acceptance_rate"]
     )
     assert "acceptance_rate_t0" in _acceptance(report)  # what `macspec models` shows
+    chat = report["evaluation"]["temperature_0"]["chat"]
+    line = headline(report)  # what distill says at its end
+    assert f"chat {chat['acceptance_rate']:.1%} (" in line
+    assert f"{chat['acceptance_by_position'][0]:.0%}" in line and "x plain" in line
     before, after = report["agreement_top1_by_position"].values()
     assert after[0] > before[0] + 0.2
 

@@ -31,7 +31,7 @@ from .data import (
     training_prompts,
 )
 from .eagle3_kind import FORMAT, eagle3_config, eagle3_taps, new_draft
-from .evaluation import agreement, draft_report
+from .evaluation import agreement, draft_report, headline
 from .progress import say
 from .self_prompts import self_prompts
 from .training import init_draft, keep_vocab, kept_vocab, start_draft, train
@@ -116,6 +116,7 @@ def distill(
         shutil.rmtree(run.out)
     shutil.copytree(staged, run.out)
     say(f"wrote {run.out}")
+    say(headline(report))
     return run.out
 
 

@@ -172,6 +172,22 @@ def summarise(report: dict) -> dict:
     return out
 
 
+def headline(report: dict) -> str:
+    """The evaluation in one line for the terminal: acceptance at fixed K and T=0 by kind of
+    prompt (and by draft position), and adaptive K's speed against plain on the chat prompts."""
+    ev = report["evaluation"]
+    kinds = []
+    for kind, s in ev["temperature_0"].items():
+        if kind != "all":
+            by_position = ", ".join(f"{a:.0%}" for a in s["acceptance_by_position"])
+            kinds.append(f"{kind} {s['acceptance_rate']:.1%} ({by_position})")
+    speed = ev["speed_chat_temperature_0"]["adaptive_k"]["speedup"]
+    return (
+        f"accepted at K={ev['num_draft']}, T=0 (by position): {'; '.join(kinds)}; "
+        f"adaptive K on chat {speed:.2f}x plain (report.json has the rest)"
+    )
+
+
 def coverage(data: Dataset, vocab_ids: list[int]) -> float:
     """Share of the sampled answer ids that the draft's vocabulary contains."""
     keep = np.zeros(max(vocab_ids) + 1, bool)
