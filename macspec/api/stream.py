@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,6 +139,23 @@ class GenerationStats:
             parts.append(f"{self.mean_accepted_length:.2f} tokens/round")
             parts.append(f"rounds by arm: {self.arms_line()}")
         return ", ".join(parts)
+
+
+def acceptance_by_position(
+    counts: Iterable[tuple[Sequence[int], Sequence[int]]],
+) -> list[float]:
+    """P(the draft at position i accepted | drafted), pooled over several answers' counts
+    (drafted_at, accepted_at) by summing them, for the positions any answer drafted at."""
+    drafted: list[int] = []
+    accepted: list[int] = []
+    for d_at, a_at in counts:
+        for i, (d, a) in enumerate(zip(d_at, a_at, strict=True)):
+            if i == len(drafted):
+                drafted.append(0)
+                accepted.append(0)
+            drafted[i] += d
+            accepted[i] += a
+    return [a / d for a, d in zip(accepted, drafted, strict=True) if d]
 
 
 @dataclass(frozen=True)

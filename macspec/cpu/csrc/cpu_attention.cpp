@@ -103,10 +103,6 @@ static void score_keys(const float* const* q, const float* kb, size_t kt, int t0
 }
 
 #if defined(__AVX512F__)
-// 16 floats, one AVX-512 register: two 8-lane vectors side by side.
-typedef float f8x2 __attribute__((vector_size(64)));
-typedef float f8x2u __attribute__((vector_size(64), aligned(4)));
-
 // [a[0..8) | b[0..8)]
 static inline f8x2 load8x2(const float* a, const float* b) {
   const __m256d lo = _mm256_loadu_pd((const double*)a), hi = _mm256_loadu_pd((const double*)b);
@@ -116,27 +112,6 @@ static inline f8x2 load8x2(const float* a, const float* b) {
 // [a[0..8) | a[0..8)]: one load, no shuffle port
 static inline f8x2 twice8(const float* a) {
   return (f8x2)_mm512_broadcast_f64x4(_mm256_loadu_pd((const double*)a));
-}
-
-typedef int32_t i8x2 __attribute__((vector_size(64)));
-
-// exp8 (layer.h) on 16 lanes: the same operations lane by lane, so the same bits.
-static inline f8x2 exp8x2(f8x2 x) {
-  const f8x2 lo = f8x2{} - 127.0f, hi = f8x2{} + 127.0f;
-  f8x2 t = x * 1.4426950408889634f;
-  t = t < lo ? lo : (t > hi ? hi : t);
-  f8x2 n = (f8x2)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  f8x2 f = t - n;
-  f8x2 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  i8x2 bits = (__builtin_convertvector(n, i8x2) + 127) << 23;
-  f8x2 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return t > lo ? p * scale : f8x2{};
 }
 
 // score_keys for 2P query heads in pairs: each register holds two heads' 8 lanes side by side

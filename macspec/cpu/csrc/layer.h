@@ -47,24 +47,53 @@ inline float dot(const float* a, const float* b, int n) {
   return s;
 }
 
-// exp(x) as MLX computes it on the CPU (2^n * 2^f, Cephes' polynomial for 2^f), 8 lanes at once.
-inline f8 exp8(f8 x) {
-  const f8 lo = f8{} - 127.0f, hi = f8{} + 127.0f;
-  f8 t = x * 1.4426950408889634f;
+// t rounded to the nearest integer (ties to even), as the exponential below needs it.
+inline f8 round_even(f8 t) {
+  return (f8)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+#if defined(__AVX512F__)
+// 16 floats, one AVX-512 register: two 8-lane vectors side by side (cpu_attention.cpp).
+typedef float f8x2 __attribute__((vector_size(64)));
+typedef float f8x2u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i8x2 __attribute__((vector_size(64)));
+
+inline f8x2 round_even(f8x2 t) {
+  return (f8x2)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+// exp(x) as MLX computes it on the CPU (2^n * 2^f, Cephes' polynomial for 2^f), lane by lane:
+// V float lanes, I int32 lanes as many. Every width computes a lane with the same operations,
+// so 8 lanes and 16 give the same bits.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const V lo = V{} - 127.0f, hi = V{} + 127.0f;
+  V t = x * 1.4426950408889634f;
   t = t < lo ? lo : (t > hi ? hi : t);
-  f8 n = (f8)_mm256_round_ps((__m256)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  f8 f = t - n;
-  f8 p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
+  V n = round_even(t);
+  V f = t - n;
+  V p = 1.535336188319500e-4f * f + 1.339887440266574e-3f;
   p = p * f + 9.618437357674640e-3f;
   p = p * f + 5.550332471162809e-2f;
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
-  i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  f8 scale;
+  I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return t > lo ? p * scale : f8{};
+  return t > lo ? p * scale : V{};
 }
+
+inline f8 exp8(f8 x) {
+  return exp_lanes<f8, i8>(x);
+}
+
+#if defined(__AVX512F__)
+inline f8x2 exp8x2(f8x2 x) {
+  return exp_lanes<f8x2, i8x2>(x);
+}
+#endif
 
 inline void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {

@@ -15,6 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from ...api.stream import acceptance_by_position
 from ...base.errors import MacspecError
 from ..prompts import KINDS
 
@@ -149,14 +150,13 @@ def _per_repeat(recs: list[RunRecord], count: Any) -> list[float]:
 def _acceptance(recs: list[RunRecord]) -> dict[str, Any]:
     drafted, accepted = sum(r.drafted for r in recs), sum(r.accepted for r in recs)
     spec_rounds = sum(r.spec_rounds for r in recs)
-    width = max((len(r.drafted_at) for r in recs), default=0)
-    at_d = [sum(r.drafted_at[i] for r in recs if i < len(r.drafted_at)) for i in range(width)]
-    at_a = [sum(r.accepted_at[i] for r in recs if i < len(r.accepted_at)) for i in range(width)]
     return {
         "acceptance_rate": accepted / drafted if drafted else None,
         # Tokens emitted per speculative round: accepted drafts + the target's token.
         "mean_accepted_length": (accepted + spec_rounds) / spec_rounds if spec_rounds else None,
-        "per_position_acceptance": [a / d for a, d in zip(at_a, at_d, strict=True) if d],
+        "per_position_acceptance": acceptance_by_position(
+            (r.drafted_at, r.accepted_at) for r in recs
+        ),
     }
 
 

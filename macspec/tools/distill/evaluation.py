@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ...api.stream import generate, prompt_ids
+from ...api.stream import acceptance_by_position, generate, prompt_ids
 from ...base.errors import MacspecError
 from ..prompts import builtin_prompts
 from .data import Dataset
@@ -138,19 +138,12 @@ def _summary(stats: list) -> dict:
     emitted = sum(s.mean_accepted_length * s.speculative_rounds for s in stats)
     draft_time = sum(s.draft_time for s in stats)
     plain = [s.plain_step_time for s in stats if s.plain_step_time]
-    width = max((len(s.drafted_at) for s in stats), default=0)
-    at = [
-        (
-            sum(s.accepted_at[i] for s in stats if i < len(s.accepted_at)),
-            sum(s.drafted_at[i] for s in stats if i < len(s.drafted_at)),
-        )
-        for i in range(width)
-    ]
+    by_position = acceptance_by_position((s.drafted_at, s.accepted_at) for s in stats)
     out = {
         "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
         "mean_accepted_length": round(emitted / rounds, 3) if rounds else 1.0,
         # P(the draft at position i accepted | drafted), over every answer's rounds
-        "acceptance_by_position": [round(a / d, 4) for a, d in at if d],
+        "acceptance_by_position": [round(a, 4) for a in by_position],
         "drafted": drafted,
     }
     if drafted and plain:
