@@ -14,7 +14,7 @@ from ..base import switches
 from ..base.errors import ModelError
 from ..core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter, factory
 from ..core.loaded import LoadedPair
-from .eagle3 import aux_layers, check_target, load
+from .eagle3 import Eagle3Checkpoint, aux_layers, check_target, load
 
 
 def taps_for(ids: tuple[int, ...], where: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -29,9 +29,11 @@ def taps_for(ids: tuple[int, ...], where: Path) -> tuple[tuple[int, ...], tuple[
     return taps, tuple(taps.index(i - 1) for i in ids)
 
 
-def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
-    """The factory macspec.load uses for an EAGLE-3 draft directory: refused (ModelError naming
-    what differs) when made for another target."""
+def read_for(
+    path: Path, pair: LoadedPair
+) -> tuple[Eagle3Checkpoint, tuple[int, ...], tuple[int, ...]]:
+    """(checkpoint, taps, order) of the EAGLE-3 draft in `path`, refused (ModelError naming what
+    differs) when made for another target than `pair`'s."""
     ckpt = load(path)
     config_file = Path(pair.target_path) / "config.json"
     try:
@@ -39,8 +41,14 @@ def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot read {config_file}: {e}") from e
     check_target(ckpt, target_config, str(pair.target_path))
-    layers = len(pair.target.layers)
-    taps, order = taps_for(aux_layers(ckpt.config, layers), path)
+    taps, order = taps_for(aux_layers(ckpt.config, len(pair.target.layers)), path)
+    return ckpt, taps, order
+
+
+def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
+    """The factory macspec.load uses for an EAGLE-3 draft directory: refused (ModelError naming
+    what differs) when made for another target."""
+    ckpt, taps, order = read_for(path, pair)
     draft = Eagle3Draft(ckpt.config, taps, order)
     weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
     try:

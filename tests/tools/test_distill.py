@@ -464,3 +464,31 @@ def test_self_prompts_feed_the_data_and_lock_a_resumed_run(tmp_path):
         d.distill(str(target), str(tmp_path / "draft"), force=True, resume=True, **small)
     with pytest.raises(OptionError, match="self_prompts"):
         d.distill(str(target), str(tmp_path / "x"), self_prompts=-1, **small)
+
+
+def test_rows_that_end_leave_the_batch_and_the_rest_sample_as_alone(tmp_path):
+    """sample_rows drops a row from the batch after its EOS: every row's continuation, states
+    and end are what it gets sampled alone, and nothing is kept past its end."""
+    from macspec.tools.distill.data import sample_rows
+
+    target = make_tiny_model(tmp_path / "t", seed=1, layers=4)
+    model = macspec.load(str(target)).target
+    prompts = [[3, 9, 4], [5, 6, 7, 8, 9, 10], [11, 4], [7, 7, 7, 2, 3]]
+    free = sample_rows(model, prompts, [0.0] * 4, 12, mx.random.key(0), set(), taps=(1,))[0]
+    # The ids rows 1 and 2 first write at a later step: they end there (others where they
+    # write them), at two different steps.
+    eos = set()
+    for row in (free[1, 6:].tolist(), free[2, 6:].tolist()):
+        eos.add(next(row[k] for k in range(2, 12) if row[k] not in row[:k]))
+    toks, hid, starts, ends, layers = sample_rows(
+        model, prompts, [0.0] * 4, 12, mx.random.key(0), eos, taps=(1,)
+    )
+    assert len(set(ends.tolist()) - {6 + 12}) == 2, ends
+    for r, p in enumerate(prompts):
+        alone = sample_rows(model, [p], [0.0], 12, mx.random.key(0), eos, taps=(1,))
+        e, s, w = int(ends[r]), int(starts[r]), len(p)
+        assert alone[3][0] - w == e - 6  # the same end, counted from its prompt's end
+        assert toks[r, s:e].tolist() == alone[0][0, : alone[3][0]].tolist()
+        np.testing.assert_allclose(hid[r, s:e], alone[1][0, : alone[3][0]], atol=2e-3)
+        np.testing.assert_allclose(layers[r, s:e], alone[4][0, : alone[3][0]], atol=2e-3)
+        assert not toks[r, e:].any() and not hid[r, e:].any() and not layers[r, e:].any()

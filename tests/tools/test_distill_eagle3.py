@@ -3,6 +3,7 @@ in EAGLE-3's published architecture, written in vLLM speculators' layout and loa
 code that runs downloaded drafts), on a tiny target."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -242,5 +243,72 @@ def test_bad_corpora_and_resumes_are_refused_by_name(run, tmp_path):
             tokens=4000,
             **{**RUN, "epochs": 1},
         )
-    with pytest.raises(OptionError, match="--init continues eagle drafts only"):
-        d.distill(str(target), str(tmp_path / "d"), kind="eagle3", init=str(out), **small)
+
+
+def test_init_reads_a_published_draft_back_computing_what_it_did(run):
+    """--init of an EAGLE-3 draft: read as a downloaded one, it starts out computing exactly what
+    that draft computes, whatever feature scale the new data gives, and exports back to it."""
+    from macspec.tools.distill.eagle3_kind import read_init
+
+    target, _, out = run
+    pair = macspec.load(str(target))
+    draft, ids, path = read_init(str(out), pair)
+    ckpt = load(out)
+    assert path == out.resolve() and ids == ckpt.d2t.tolist()
+    taps = draft.feature_layers
+    published = Eagle3Draft(ckpt.config, taps, tuple(range(len(taps))))
+    published.load_weights(list(ckpt.weights.items()), strict=True)
+    width = (len(taps) + 1) * 48
+    scale = mx.exp(mx.random.normal((width,), key=mx.random.key(1)) * 3)
+    continued = draft.with_scale(scale)
+    assert mx.array_equal(continued.feature_scale, scale).item()
+    features = mx.random.normal((1, 5, width), key=mx.random.key(2)) * scale
+    g = continued.state(features)
+    assert mx.allclose(g, published.state(features), rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(continued.fc.weight, published.fc.weight).item() is False  # rescaled
+    back = continued.checkpoint(ids).weights
+    for name, value in ckpt.weights.items():
+        assert mx.allclose(back[name], value, rtol=1e-5, atol=1e-6).item(), name
+
+
+def test_init_continues_an_eagle3_draft_on_the_targets_own_answers(run, tmp_path):
+    """A corpus-trained EAGLE-3 draft continued on sampled continuations (no --corpus): the same
+    ids, the start recorded, and it starts from its weights, not afresh."""
+    target, _, out = run
+    small = {**RUN, "epochs": 1, "max_new": 24, "tokens": 800}
+    fresh = d.distill(str(target), str(tmp_path / "fresh"), kind="eagle3", **small)
+    more = d.distill(str(target), str(tmp_path / "more"), kind="eagle3", init=str(out), **small)
+    assert load(more).d2t.tolist() == load(out).d2t.tolist()  # its own ids, not --vocab's choice
+    report = json.loads((more / "report.json").read_text())
+    assert report["kind"] == "eagle3" and Path(report["init"]) == out.resolve()
+    started = report["agreement_top1_by_position"]["before"]
+    afresh = json.loads((fresh / "report.json").read_text())["agreement_top1_by_position"]
+    assert started[0] > afresh["before"][0] + 0.1, (started, afresh["before"])
+    pair = macspec.load(str(target), str(more), drafter="model")
+    plain = macspec.generate(pair, [3, 9, 4, 7], max_tokens=40, speculative=False).tokens
+    assert macspec.generate(pair, [3, 9, 4, 7], max_tokens=40, num_draft=3).tokens == plain
+
+
+def test_init_of_another_kind_or_shape_is_refused_by_name(run, tmp_path):
+    target, corpus, out = run
+    small = {**RUN, "epochs": 1, "tokens": 200, "corpus": str(corpus)}
+    with pytest.raises(ModelError, match="cannot read the eagle draft"):
+        d.distill(str(target), str(tmp_path / "a"), init=str(out), **small)  # kind eagle
+    with pytest.raises(ModelError, match=r"target.config\.json: not an EAGLE-3 draft"):
+        d.distill(str(target), str(tmp_path / "b"), kind="eagle3", init=str(target), **small)
+    mlp = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    with pytest.raises(OptionError, match=f"MLP of {mlp['intermediate_size']}.*mlp=7"):
+        d.distill(str(target), str(tmp_path / "c"), kind="eagle3", init=str(out), mlp=7, **small)
+    with pytest.raises(OptionError, match="1 decoder layers.*layers=2"):
+        d.distill(str(target), str(tmp_path / "e"), kind="eagle3", init=str(out), layers=2, **small)
+    written = {p.name for p in tmp_path.iterdir()}
+    assert not written & {
+        "a",
+        "b",
+        "c",
+        "e",
+        ".distill-a",
+        ".distill-b",
+        ".distill-c",
+        ".distill-e",
+    }

@@ -30,7 +30,7 @@ from .data import (
     parse_feature_layers,
     training_prompts,
 )
-from .eagle3_kind import FORMAT, eagle3_config, eagle3_taps, new_draft
+from .eagle3_kind import FORMAT, eagle3_config, eagle3_taps, feature_scale, new_draft, read_init
 from .evaluation import agreement, draft_report, headline
 from .progress import say
 from .self_prompts import self_prompts
@@ -132,9 +132,13 @@ def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _R
             f"an earlier distill run left {work}: pass --resume to continue it, or delete it"
         )
     pair = load(target)  # raises ModelError for a missing target
-    start_from = None if cfg.init is None else init_draft(cfg.init, pair)
+    start_from = None
+    if cfg.init is not None:
+        start_from = (read_init if cfg.kind == "eagle3" else init_draft)(cfg.init, pair)
     taps = _taps(cfg.feature_layers, pair, start_from, cfg.kind)
     layers = _layers(cfg.layers, start_from)
+    if cfg.kind == "eagle3" and start_from is not None:
+        _same_shape(cfg, layers, start_from)
     if cfg.corpus is not None:  # raises ModelError for a missing or empty corpus
         rows = corpus_rows(pair, cfg.corpus, cfg.tokens, cfg.max_new, cfg.seed)
         fits: list[list[int]] = []
@@ -176,6 +180,21 @@ def _taps(
             f" continue it with those, not feature_layers={feature_layers!r}"
         )
     return taps
+
+
+def _same_shape(cfg: DistillConfig, layers: int, start_from: tuple) -> None:
+    """An EAGLE-3 draft is continued as it is: --mlp and --layers may only repeat its own."""
+    draft, _, path = start_from
+    mlp = draft.config.intermediate_size
+    if cfg.mlp is not None and cfg.mlp != mlp:
+        raise OptionError(
+            f"the draft {path} has an MLP of {mlp}: continue it with that, not mlp={cfg.mlp}"
+        )
+    if layers != draft.config.num_layers:
+        raise OptionError(
+            f"the EAGLE-3 draft {path} has {draft.config.num_layers} decoder layers: distill "
+            f"continues it with those, not layers={layers}"
+        )
 
 
 def _layers(layers: int | None, start_from: tuple | None) -> int:
@@ -276,7 +295,11 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
     mx.random.seed(cfg.seed)
     ckpt_dir = run.work / "checkpoints"
     kept = kept_vocab(ckpt_dir) if cfg.resume else None
-    if cfg.kind == "eagle3":
+    if cfg.kind == "eagle3" and run.start_from is not None:
+        # The published draft goes on, reading the features over this data's scale.
+        draft, vocab_ids = run.start_from[0].with_scale(feature_scale(data)), run.start_from[1]
+        parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+    elif cfg.kind == "eagle3":
         vocab_ids = kept or choose_vocab(data, cfg.vocab, set(pair.eos_token_ids), pair.vocab_size)
         parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
         config = eagle3_config(pair, run.taps, run.layers, cfg.mlp, vocab_ids)

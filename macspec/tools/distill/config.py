@@ -22,9 +22,10 @@ def _opt(default: Any, help: str, **cli: Any) -> Any:
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """A distill run's options. `init` (a draft directory or store name) continues training an
-    eagle draft for this target on this run's data: its weights, vocabulary and feature
-    statistics are the start (`vocab` is not used). `feature_layers`: "auto" (a low, a middle
+    """A distill run's options. `init` (a draft directory or store name) continues training a
+    draft of this run's kind for this target on this run's data: its weights, vocabulary and
+    feature statistics are the start (`vocab` is not used; for eagle3, neither are `mlp` and
+    `layers` beyond checking that they agree). `feature_layers`: "auto" (a low, a middle
     and a high layer, as EAGLE-3), "none" (the final features only) or comma-separated layer
     indices; by default "auto", or with `init` the layers that draft reads. An `init` draft
     reading the final features only can be given layers: it is widened, starting out exactly
@@ -83,7 +84,8 @@ class DistillConfig:
     eval_tokens: int = _opt(96, "tokens per evaluation prompt")
     init: str | None = _opt(
         None,
-        "continue training this eagle draft (its weights, vocabulary and feature statistics)",
+        "continue training this draft, of the same --kind (its weights, vocabulary and "
+        "feature statistics): e.g. on the target's own answers after a --corpus run",
         metavar="DRAFT",
     )
     force: bool = _opt(False, "replace an existing output")
@@ -101,8 +103,6 @@ class DistillConfig:
                 f"unknown kind {self.kind!r}: choose {' or '.join(KINDS)} (a from-scratch 'small' "
                 "draft reached 0.35 agreement on this budget, see macspec/core/drafters/eagle.py)"
             )
-        if self.kind == "eagle3" and self.init is not None:
-            raise OptionError("--init continues eagle drafts only, not kind='eagle3'")
         for name in ("tokens", "epochs", "batch_rows", "max_new", "unroll", "eval_tokens"):
             check_count(name, getattr(self, name), 1)
         if self.layers is not None:

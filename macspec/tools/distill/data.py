@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ...base.errors import MacspecError, OptionError
 from .progress import bar, end_bar, hms
@@ -101,52 +102,69 @@ def sample_rows(
     suppress: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Sample one continuation per (prompt, temperature) row, all rows in one left-padded batch;
-    ids in `suppress` are never sampled.
+    ids in `suppress` are never sampled. A row that reaches an EOS id leaves the batch after the
+    pass that reads it, so the rows still sampling do not pay for it (chat answers end at very
+    different lengths: about half a batch's steps went to ended rows).
 
     Returns tokens (B, L), hidden (B, L, H) float16 (the target's final hidden state at every
     position), starts (B,) (first real position), ends (B,) (one past the last kept id) and,
-    with `taps`, the outputs of those layers (B, L, len(taps), H) float16."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+    with `taps`, the outputs of those layers (B, L, len(taps), H) float16. Past a row's end its
+    tokens and states are zeros."""
     from ...core.target import output_head
 
     rows, width = len(prompts), max(map(len, prompts))
     starts = np.array([width - len(p) for p in prompts], np.int32)
-    padded = np.zeros((rows, width), np.int32)
+    full = np.zeros((rows, width + max_new), np.int32)
     for r, p in enumerate(prompts):
-        padded[r, starts[r] :] = p
+        full[r, starts[r] : width] = p
     real = mx.array(np.arange(width)[None] >= starts[:, None])  # (B, width) non-pad columns
     causal = mx.tril(mx.ones((width, width), dtype=mx.bool_))
     cache = make_prompt_cache(model)
-    h, t = _trunk(model, mx.array(padded), cache, (causal[None] & real[:, None, :])[:, None], taps)
-    hidden, tapped, tokens = [h.astype(mx.float16)], [t], []
-    t = mx.array(temps, dtype=mx.float32)
-    greedy, safe_t = t == 0, mx.where(t == 0, 1.0, t)[:, None]
+    h, t = _trunk(
+        model, mx.array(full[:, :width]), cache, (causal[None] & real[:, None, :])[:, None], taps
+    )
+    hidden = np.zeros((rows, width + max_new, h.shape[-1]), np.float16)
+    hidden[:, :width] = np.array(h.astype(mx.float16))
+    layers = np.zeros((rows, width + max_new, len(taps), h.shape[-1]), np.float16) if taps else None
+    if layers is not None:
+        layers[:, :width] = np.array(mx.stack(t, axis=2).astype(mx.float16))
+    temp = mx.array(temps, dtype=mx.float32)
     banned = mx.array(list(suppress), dtype=mx.int32) if suppress else None
-    for step_key in mx.random.split(key, max_new):
+    ends = np.full(rows, width + max_new, np.int32)
+    alive = np.arange(rows)  # the batch's rows: their rows in the output
+    stops = np.array(sorted(eos), np.int64)
+    # Rows leave the batch where every layer has mlx-lm's plain KVCache (rotating ones, for
+    # sliding windows, keep theirs: those rows go on sampling, and are cut at their end).
+    compact = all(type(c) is KVCache for c in cache)
+    for step, step_key in enumerate(mx.random.split(key, max_new)):
+        greedy, safe_t = temp == 0, mx.where(temp == 0, 1.0, temp)[:, None]
         logits = output_head(model, h[:, -1]).astype(mx.float32)
         if banned is not None:
             logits[:, banned] = -mx.inf
         sampled = mx.random.categorical(logits / safe_t, key=step_key)
         nxt = mx.where(greedy, mx.argmax(logits, axis=-1), sampled).astype(mx.int32)
-        real = mx.concatenate([real, mx.ones((rows, 1), mx.bool_)], axis=1)
-        h, layers = _trunk(model, nxt[:, None], cache, real[:, None, None, :], taps)
-        tokens.append(nxt)
-        hidden.append(h.astype(mx.float16))
-        tapped.append([x.astype(mx.float16) for x in layers])
-        mx.eval(nxt, hidden[-1], tapped[-1])
-    gen = np.array(mx.stack(tokens, axis=1))
-    ends = np.full(rows, width + max_new, np.int32)
-    for r in range(rows):
-        stop = np.nonzero(np.isin(gen[r], list(eos)))[0]
-        if stop.size:
-            ends[r] = width + stop[0] + 1  # keep the EOS: predicting it matters
-    full = np.concatenate([padded, gen], axis=1)
-    layers = None
-    if taps:  # (B, L, taps, H): per step a list over taps of (B, n, H)
-        per_step = [mx.stack(step, axis=2) for step in tapped]
-        layers = np.array(mx.concatenate(per_step, axis=1))
-    return full, np.array(mx.concatenate(hidden, axis=1)), starts, ends, layers
+        real = mx.concatenate([real, mx.ones((len(alive), 1), mx.bool_)], axis=1)
+        h, t = _trunk(model, nxt[:, None], cache, real[:, None, None, :], taps)
+        at = width + step
+        full[alive, at] = np.array(nxt)
+        hidden[alive, at] = np.array(h[:, 0].astype(mx.float16))
+        if layers is not None:
+            layers[alive, at] = np.array(mx.stack([x[:, 0] for x in t], axis=1).astype(mx.float16))
+        ended = np.isin(full[alive, at], stops) & (ends[alive] == width + max_new)
+        ends[alive[ended]] = at + 1  # keep the EOS: predicting it matters
+        if ended.any() and compact:
+            keep = np.nonzero(~ended)[0]
+            if not keep.size:
+                break
+            alive, kept = alive[keep], mx.array(keep)
+            h, real, temp = h[kept], real[kept], temp[kept]
+            for c in cache:  # (B, heads, positions, dim) keys and values, one offset
+                c.keys, c.values = c.keys[kept], c.values[kept]
+    for r in range(rows):  # what a row that could not leave the batch sampled past its end
+        full[r, ends[r] :], hidden[r, ends[r] :] = 0, 0
+        if layers is not None:
+            layers[r, ends[r] :] = 0
+    return full, hidden, starts, ends, layers
 
 
 def parse_feature_layers(value: str, num_layers: int) -> tuple[int, ...]:

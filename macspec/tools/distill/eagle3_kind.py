@@ -20,9 +20,11 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ...base.errors import OptionError
+from ...base.errors import ModelError, OptionError
 from ...core.drafters.eagle3 import Eagle3Draft
 from ...models.eagle3 import Eagle3Checkpoint, Eagle3Config, aux_layers
+from ...models.eagle3_draft import read_for
+from ...models.store import resolve_model
 
 FORMAT = "speculators"
 
@@ -104,6 +106,19 @@ class TrainableEagle3(Eagle3Draft):
     def state(self, features: mx.array) -> mx.array:
         return super().state(features / self.feature_scale)
 
+    def with_scale(self, scale: mx.array) -> TrainableEagle3:
+        """The same draft reading the features over `scale` instead: fc's columns are multiplied
+        by scale / the old scale, so it computes what it did (up to rounding)."""
+        ht = self.target_hidden
+        ratio = scale / self.feature_scale
+        columns = mx.concatenate([ratio[i * ht : (i + 1) * ht] for i in self.order])
+        draft = TrainableEagle3(self.config, self.feature_layers, scale)
+        weights = {k: v for k, v in tree_flatten(self.parameters()) if k != "feature_scale"}
+        weights["fc.weight"] = self.fc.weight * columns[None, :]
+        draft.load_weights(list(weights.items()), strict=False)
+        mx.eval(draft.parameters())
+        return draft
+
     def checkpoint(self, vocab_ids: list[int]) -> Eagle3Checkpoint:
         """The published draft: fc folded with the scale, the other weights as trained."""
         weights = {k: v for k, v in tree_flatten(self.parameters()) if k != "feature_scale"}
@@ -114,12 +129,54 @@ class TrainableEagle3(Eagle3Draft):
         return Eagle3Checkpoint(self.config, weights, ids, Path(self.config.target_name or "."))
 
 
+# What training assumes of a draft it continues, as distill's own drafts have it (eagle3_config):
+# it embeds with the target's table, and fc reads the tapped states as they are, in ascending
+# order (a per-tap norm before fc would undo the feature scale).
+_TRAINABLE = {
+    "layer_type": "llama",
+    "has_embed": False,
+    "tie_word_embeddings": False,
+    "fc_norm": False,
+    "norm_before_fc": False,
+}
+
+
+def read_init(init: str, pair: Any) -> tuple[TrainableEagle3, list[int], Path]:
+    """(draft, vocabulary ids, directory) of the EAGLE-3 draft a run continues (--init): read by
+    the code that loads downloaded drafts, checked against the target, and computing what that
+    draft computes (a unit feature scale until the data's replaces it, with_scale). ModelError
+    naming the directory for one made for another target or of a shape distill cannot train."""
+    path = resolve_model(init)
+    ckpt, taps, order = read_for(path, pair)
+    c = ckpt.config
+    odd = [f"{k}={getattr(c, k)!r}" for k, v in _TRAINABLE.items() if getattr(c, k) != v]
+    if order != tuple(range(len(taps))):
+        odd.append(f"target layers read in the order {[taps[i] + 1 for i in order]}")
+    if odd:
+        raise ModelError(
+            f"{path}: distill continues EAGLE-3 drafts of the shape it writes; this one has "
+            + ", ".join(odd)
+        )
+    draft = TrainableEagle3(c, taps, mx.ones(((len(taps) + 1) * c.target_hidden_size,)))
+    weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
+    try:
+        draft.load_weights(weights + [("feature_scale", draft.feature_scale)], strict=True)
+    except ValueError as e:
+        raise ModelError(f"the EAGLE-3 draft in {path} does not fit its config: {e}") from e
+    mx.eval(draft.parameters())
+    return draft, [int(i) for i in ckpt.d2t], path
+
+
+def feature_scale(data: Any) -> mx.array:
+    """The features' per-dimension RMS over the data, which fc reads them over."""
+    mean, std = data.feature_stats()
+    return mx.sqrt(mean * mean + std * std)
+
+
 def new_draft(config: Eagle3Config, taps: tuple[int, ...], data: Any, head: mx.array) -> Any:
     """A fresh draft: the feature scale from the data, lm_head starting as the target's own rows
     for the draft's ids (`head`), the rest initialised as mlx does."""
-    mean, std = data.feature_stats()
-    scale = mx.sqrt(mean * mean + std * std)  # per-dimension RMS
-    draft = TrainableEagle3(config, taps, scale)
+    draft = TrainableEagle3(config, taps, feature_scale(data))
     draft.lm_head.weight = head.astype(mx.float32)
     mx.eval(draft.parameters())
     return draft
