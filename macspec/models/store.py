@@ -281,7 +281,20 @@ def tokenizer_fingerprint(path: Path) -> str:
 
 
 def _acceptance(report: dict) -> str | None:
-    """A short acceptance summary from a draft's report.json (written by `macspec distill`)."""
+    """A short acceptance summary from a draft's report.json (written by `macspec distill`):
+    its summary (chat prompts) in words, else the first acceptance figures found in it."""
+    summary, evaluation = report.get("summary"), report.get("evaluation")
+    if isinstance(summary, dict) and isinstance(summary.get("acceptance_rate_t0"), int | float):
+        k = evaluation.get("num_draft") if isinstance(evaluation, dict) else None
+        kind = f"chat K={k}" if isinstance(k, int) else "chat"
+        words = [f"{kind}: {summary['acceptance_rate_t0']:.1%} at T=0"]
+        hot = summary.get("acceptance_rate_t0.7")
+        if isinstance(hot, int | float):
+            words.append(f"{hot:.1%} at T=0.7")
+        speedup = summary.get("speedup_t0")
+        if isinstance(speedup, int | float):
+            words.append(f"adaptive {speedup:.2f}x plain")
+        return ", ".join(words)
     found: dict[str, Any] = {}
 
     def walk(d: dict, prefix: str, depth: int) -> None:
@@ -325,7 +338,8 @@ def model_info(path: Path) -> ModelInfo:
     return ModelInfo(
         name=path.name,
         path=str(path),
-        architecture=str(config.get("model_type", "?")),
+        # A published EAGLE-3 draft's config names its kind, not a model type.
+        architecture=str(config.get("model_type") or config.get("speculators_model_type") or "?"),
         parameters=params,
         bits=bits,
         size_bytes=size,

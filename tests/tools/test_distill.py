@@ -75,7 +75,8 @@ def test_report_has_the_evaluation(run):
         report["summary"]["acceptance_rate_t0"]
         == report["evaluation"]["temperature_0"]["chat"]["acceptance_rate"]
     )
-    assert "acceptance_rate_t0" in _acceptance(report)  # what `macspec models` shows
+    chat_t0 = report["summary"]["acceptance_rate_t0"]
+    assert _acceptance(report).startswith(f"chat K=4: {chat_t0:.1%} at T=0, ")  # `macspec models`
     chat = report["evaluation"]["temperature_0"]["chat"]
     line = headline(report)  # what distill says at its end
     assert f"chat {chat['acceptance_rate']:.1%} (" in line

@@ -16,6 +16,7 @@ import macspec
 from macspec.base.errors import ModelError, OptionError
 from macspec.core.drafters.eagle3 import Eagle3Draft, Eagle3Drafter
 from macspec.models.eagle3 import detect, load
+from macspec.models.store import model_info
 from macspec.tools import distill as d
 from macspec.tools.distill.corpus import corpus_rows
 from macspec.tools.distill.data import Dataset
@@ -66,6 +67,8 @@ def test_the_draft_is_a_published_eagle3_checkpoint_loaded_as_one(run):
     assert isinstance(pair.make_drafter(False), Eagle3Drafter)
     report = json.loads((out / "report.json").read_text())
     assert report["kind"] == "eagle3" and report["data"]["tokens"] > 2000
+    info = model_info(out)  # `macspec models`: its kind, and the acceptance in words
+    assert info.architecture == "eagle3" and info.acceptance.startswith("chat K=4: ")
 
 
 @pytest.mark.parametrize("drafter", ["model", None], ids=["model", "hybrid"])
