@@ -45,16 +45,23 @@ def read_for(
     return ckpt, taps, order
 
 
+def fill(draft: Eagle3Draft, ckpt: Eagle3Checkpoint, *extra: tuple[str, mx.array]) -> None:
+    """Load the checkpoint's weights (as float32) into `draft`, every one and nothing else
+    (`extra`: the module's own parameters besides them); ModelError naming the directory
+    where they do not fit its config."""
+    weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
+    try:
+        draft.load_weights(weights + list(extra), strict=True)
+    except ValueError as e:
+        raise ModelError(f"the EAGLE-3 draft in {ckpt.path} does not fit its config: {e}") from e
+
+
 def load_draft(path: Path, pair: LoadedPair) -> Callable[[bool], Eagle3Drafter]:
     """The factory macspec.load uses for an EAGLE-3 draft directory: refused (ModelError naming
     what differs) when made for another target."""
     ckpt, taps, order = read_for(path, pair)
     draft = Eagle3Draft(ckpt.config, taps, order)
-    weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
-    try:
-        draft.load_weights(weights, strict=True)
-    except ValueError as e:
-        raise ModelError(f"the EAGLE-3 draft in {path} does not fit its config: {e}") from e
+    fill(draft, ckpt)
     bits = switches.DRAFT_BITS.value()
     if bits != "float":
         draft.quantize(int(bits))

@@ -493,3 +493,15 @@ def test_rows_that_end_leave_the_batch_and_the_rest_sample_as_alone(tmp_path):
         np.testing.assert_allclose(hid[r, s:e], alone[1][0, : alone[3][0]], atol=2e-3)
         np.testing.assert_allclose(layers[r, s:e], alone[4][0, : alone[3][0]], atol=2e-3)
         assert not toks[r, e:].any() and not hid[r, e:].any() and not layers[r, e:].any()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_a_target_whose_rows_cannot_be_batched_is_refused_before_sampling(arch, tmp_path):
+    """A sliding-window or recurrent layer's cache takes no per-row padding mask: sampled data
+    is refused by name (--corpus reads one sequence at a time), with nothing written."""
+    from support import archzoo
+
+    target = archzoo.make_arch_model(tmp_path / "t", arch, seed=3)
+    with pytest.raises(ModelError, match=r"this target has \w+ layers.*--corpus"):
+        d.distill(str(target), str(tmp_path / "draft"), **TINY_RUN)
+    assert not (tmp_path / "draft").exists() and not (tmp_path / ".distill-draft").exists()

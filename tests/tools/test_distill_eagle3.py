@@ -315,3 +315,19 @@ def test_init_of_another_kind_or_shape_is_refused_by_name(run, tmp_path):
         ".distill-c",
         ".distill-e",
     }
+
+
+def test_a_resumed_run_with_another_init_vocabulary_is_refused(run, tmp_path):
+    """The checkpoint's head stands for the ids it was trained over: a resume whose --init draft
+    proposes others is refused by name, before vocab.json is overwritten."""
+    target, _, out = run
+    small = {**RUN, "epochs": 1, "max_new": 24, "tokens": 400}
+    first = d.distill(str(target), str(tmp_path / "more"), kind="eagle3", init=str(out), **small)
+    vocab = tmp_path / ".distill-more" / "checkpoints" / "vocab.json"
+    other = [i + 1 for i in json.loads(vocab.read_text())]  # what another draft's head covers
+    vocab.write_text(json.dumps(other))
+    with pytest.raises(ModelError, match=r"vocab\.json: the checkpoint's head was trained over"):
+        d.distill(
+            str(target), str(first), kind="eagle3", init=str(out), resume=True, force=True, **small
+        )
+    assert json.loads(vocab.read_text()) == other

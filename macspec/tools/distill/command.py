@@ -24,6 +24,7 @@ from .corpus import Row, corpus_data, corpus_rows
 from .data import (
     DATA_ROWS,
     Dataset,
+    batch_cache,
     chat_ids,
     choose_vocab,
     generate_data,
@@ -146,6 +147,7 @@ def _prepare(target: str, output: str, cfg: DistillConfig, progress: bool) -> _R
         if not rows:
             raise PromptError(f"no corpus piece fits the target's context of {pair.context_length}")
     else:
+        batch_cache(pair.target)  # ModelError for a target whose rows cannot be batched
         ids = training_prompts(pair, cfg.prompts)  # raises PromptError for a bad prompt file
         fits, rows = _fitting(ids, cfg, pair), []
         if not fits:
@@ -307,6 +309,12 @@ def _train(run: _Run, data: Dataset, shape: dict) -> tuple[Any, list[int], dict]
     else:
         draft, vocab_ids = start_draft(data, shape, cfg.vocab, pair, run.start_from, kept)
         parts = TargetParts(pair.target, mx.array(vocab_ids, dtype=mx.int32))
+    if kept is not None and kept != vocab_ids:  # an --init draft's ids, another than before
+        raise ModelError(
+            f"{ckpt_dir / 'vocab.json'}: the checkpoint's head was trained over other ids than "
+            f"the --init draft {_init_name(run)} proposes; resume with the --init it started "
+            "from, or delete the directory to restart"
+        )
     keep_vocab(ckpt_dir, vocab_ids)
     before = agreement(draft, parts, data, held, cfg.unroll)
     start = time.perf_counter()

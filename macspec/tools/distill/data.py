@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ...base.errors import MacspecError, OptionError
+from ...base.errors import MacspecError, ModelError, OptionError
 from .progress import bar, end_bar, hms
 from .train_prompts import TRAIN_TEXTS
 
@@ -119,7 +119,7 @@ def sample_rows(
         full[r, starts[r] : width] = p
     real = mx.array(np.arange(width)[None] >= starts[:, None])  # (B, width) non-pad columns
     causal = mx.tril(mx.ones((width, width), dtype=mx.bool_))
-    cache = make_prompt_cache(model)
+    cache = batch_cache(model)
     h, t = _trunk(
         model, mx.array(full[:, :width]), cache, (causal[None] & real[:, None, :])[:, None], taps
     )
@@ -133,9 +133,6 @@ def sample_rows(
     ends = np.full(rows, width + max_new, np.int32)
     alive = np.arange(rows)  # the batch's rows: their rows in the output
     stops = np.array(sorted(eos), np.int64)
-    # Rows leave the batch where every layer has mlx-lm's plain KVCache (rotating ones, for
-    # sliding windows, keep theirs: those rows go on sampling, and are cut at their end).
-    compact = all(type(c) is KVCache for c in cache)
     for step, step_key in enumerate(mx.random.split(key, max_new)):
         greedy, safe_t = temp == 0, mx.where(temp == 0, 1.0, temp)[:, None]
         logits = output_head(model, h[:, -1]).astype(mx.float32)
@@ -150,9 +147,9 @@ def sample_rows(
         hidden[alive, at] = np.array(h[:, 0].astype(mx.float16))
         if layers is not None:
             layers[alive, at] = np.array(mx.stack([x[:, 0] for x in t], axis=1).astype(mx.float16))
-        ended = np.isin(full[alive, at], stops) & (ends[alive] == width + max_new)
+        ended = np.isin(full[alive, at], stops)
         ends[alive[ended]] = at + 1  # keep the EOS: predicting it matters
-        if ended.any() and compact:
+        if ended.any():
             keep = np.nonzero(~ended)[0]
             if not keep.size:
                 break
@@ -160,11 +157,23 @@ def sample_rows(
             h, real, temp = h[kept], real[kept], temp[kept]
             for c in cache:  # (B, heads, positions, dim) keys and values, one offset
                 c.keys, c.values = c.keys[kept], c.values[kept]
-    for r in range(rows):  # what a row that could not leave the batch sampled past its end
-        full[r, ends[r] :], hidden[r, ends[r] :] = 0, 0
-        if layers is not None:
-            layers[r, ends[r] :] = 0
     return full, hidden, starts, ends, layers
+
+
+def batch_cache(model: Any) -> list[KVCache]:
+    """The prompt cache sample_rows runs a left-padded batch through: mlx-lm's plain KVCache in
+    every layer, whose rows can leave the batch. A sliding-window or recurrent layer's cache
+    takes no per-row padding mask (mlx-lm fails inside the layer), so such a target is a
+    ModelError here, naming it, before anything is sampled."""
+    cache = make_prompt_cache(model)
+    odd = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if odd:
+        raise ModelError(
+            f"distill samples a batch of rows through a KVCache in every layer; this target has "
+            f"{', '.join(odd)} layers (a sliding window or a recurrent state): give it --corpus "
+            "text to read instead, one sequence at a time"
+        )
+    return cache
 
 
 def parse_feature_layers(value: str, num_layers: int) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from ...base.errors import ModelError, OptionError
 from ...core.drafters.eagle3 import Eagle3Draft
 from ...models.eagle3 import Eagle3Checkpoint, Eagle3Config, aux_layers
-from ...models.eagle3_draft import read_for
+from ...models.eagle3_draft import fill, read_for
 from ...models.store import resolve_model
 
 FORMAT = "speculators"
@@ -158,11 +158,7 @@ def read_init(init: str, pair: Any) -> tuple[TrainableEagle3, list[int], Path]:
             + ", ".join(odd)
         )
     draft = TrainableEagle3(c, taps, mx.ones(((len(taps) + 1) * c.target_hidden_size,)))
-    weights = [(k, v.astype(mx.float32)) for k, v in ckpt.weights.items()]
-    try:
-        draft.load_weights(weights + [("feature_scale", draft.feature_scale)], strict=True)
-    except ValueError as e:
-        raise ModelError(f"the EAGLE-3 draft in {path} does not fit its config: {e}") from e
+    fill(draft, ckpt, ("feature_scale", draft.feature_scale))
     mx.eval(draft.parameters())
     return draft, [int(i) for i in ckpt.d2t], path
 
