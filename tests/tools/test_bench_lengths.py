@@ -17,7 +17,7 @@ from macspec.cli import main
 from macspec.tools.bench import command as bm
 from macspec.tools.bench import rss
 from macspec.tools.bench.lengths import (
-    ASK,
+    ASKS,
     RATIOS,
     LengthRun,
     check_lengths,
@@ -81,6 +81,7 @@ def test_ratios_and_the_report(result):
     assert "skipped llamacpp_plain: needs" in table  # what llama.cpp's rows lack, said
     # One repeat (the API's default): the bare figures, no ranges.
     assert result["meta"]["repeats"] == 1 and all(r["repeats"] == 1 for r in result["rows"])
+    assert result["meta"]["ask"] == "summary" and "then the summary request" in table
     assert re.search(r"^\| 200 \| plain \| [\d.]+ \| [\d.,]+ \| [\d.,]+ \| [\d,]+ \|$", table, re.M)
     assert "repeats a row" not in table
 
@@ -99,10 +100,11 @@ def test_files_and_progress(result):
     ]  # fmt: skip
 
 
-def test_a_prompt_has_exactly_the_asked_ids(tiny_pair):
+@pytest.mark.parametrize("request_kind", sorted(ASKS))
+def test_a_prompt_has_exactly_the_asked_ids(tiny_pair, request_kind):
     tokenizer = load(tiny_pair[0]).tokenizer
     source = source_ids(tokenizer)
-    ask = tokenizer.encode(ASK, add_special_tokens=False)
+    ask = tokenizer.encode(ASKS[request_kind], add_special_tokens=False)
     for n in (len(ask) + 1, 300, 1000):
         ids = length_prompt(source, ask, n)
         assert (
@@ -142,6 +144,33 @@ def test_cli_takes_lengths_spaced_or_comma_separated(tiny_pair, tmp_path, capsys
     assert saved["meta"]["repeats"] == 1  # --repeats not given: this mode's default, one
     assert not (tmp_path / "lengths.png").exists() and (tmp_path / "lengths.md").exists()
     assert main([*argv, "--serve"]) == 2
+
+
+def test_the_edit_request_follows_the_same_sources(tiny_pair, tmp_path, capsys, monkeypatch):
+    seen = []
+    run = Runner.run
+
+    def recorded(self, m, ids, *args):
+        seen.append(list(ids))
+        return run(self, m, ids, *args)
+
+    monkeypatch.setattr(Runner, "run", recorded)
+    argv = ["bench", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--max-tokens", "3"]
+    argv += ["--prompt-lengths", "180", "--no-charts", "--output", str(tmp_path), "--ask", "edit"]
+    assert main(argv) == 0
+    assert "then the edit request" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["meta"]["ask"] == "edit" and "type hints" in saved["meta"]["prompt"]
+    tokenizer = load(tiny_pair[0]).tokenizer
+    edit = tokenizer.encode(ASKS["edit"], add_special_tokens=False)
+    timed = [ids for ids in seen if len(ids) == 180]
+    assert len(timed) == 2  # plain and the default, on the same ids
+    assert all(ids == length_prompt(source_ids(tokenizer), edit, 180) for ids in timed)
+    with pytest.raises(SystemExit) as refused:  # argparse: not one of the choices
+        main([*argv[:-1], "rewrite"])
+    assert refused.value.code == 2 and "--ask: invalid choice: 'rewrite'" in capsys.readouterr().err
+    with pytest.raises(OptionError, match="invalid ask='rewrite': one of summary, edit"):
+        bm.bench_lengths(LengthRun("200", "no-such-model", ask="rewrite"), quiet=True)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from ...api.stream import prompt_ids
 from ...base import platform_info as be
 from ...base.errors import OptionError
 from ..prompts import KINDS, Prompt, with_context
-from .lengths import LengthRun, format_lengths, length_events
+from .lengths import ASKS, LengthRun, format_lengths, length_events
 from .llamacpp import LLAMACPP, LlamaCpp, check_vocabulary, unavailable
 from .plan import (
     DEFAULT_METHODS,
@@ -304,6 +304,7 @@ def _run(args: argparse.Namespace) -> int:
             args.seed,
             args.repeats,
             args.draft_context,
+            args.ask,
         )
         bench_lengths(run, args.output, args.charts, args.quiet)
         return 0
@@ -382,9 +383,16 @@ def register(subparsers: Any) -> None:
         nargs="+",
         metavar="N",
         help="instead: one prompt of exactly N ids per length (Python's own sources and a "
-        "request to summarize them), read whole by macspec plain and the default, and by "
+        "request, --ask), read whole by macspec plain and the default, and by "
         "llama.cpp with --gguf: TTFT, prefill and decode tok/s, peak RSS and a chart "
         "(uses --target, --draft, --max-tokens, --repeats, --gguf, --seed, --output, "
         "--no-charts, --quiet)",
+    )
+    p.add_argument(
+        "--ask",
+        choices=sorted(ASKS),
+        default="summary",
+        help="--prompt-lengths: the request after the pasted sources: summarize them (new text) "
+        "or rewrite the last function with type hints (mostly the file's lines again)",
     )
     p.set_defaults(func=_run)

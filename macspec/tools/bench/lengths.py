@@ -1,15 +1,17 @@
 """`macspec bench --prompt-lengths 512 2048 4096`: long prompts, each read whole.
 
 For each length, one prompt of exactly that many ids: Python's own argparse, collections, shutil
-and subprocess sources cut to the length, then a request to summarize them (the same ids for the
-same Python and tokenizer). macspec plain and the default (speculative, adaptive K, the pair's
-own draft context) decode it greedily with the prompt cache emptied first, and llama.cpp decodes
-the same ids from the GGUF file with --gguf and the optional package xllamacpp. Every row is
-timed from outside, as `macspec bench`'s others: the time to the first token (TTFT), prompt ids
-over TTFT (prefill tok/s), tokens after the first over the time after it (decode tok/s); and the
-process's peak RSS during the row (rss.py). Each row runs `repeats` times (the methods taking
-turns at each length) and reports the medians, the TTFT's and decode tok/s's ranges and the
-largest peak RSS. docs/benchmarks.md, "Long prompts".
+and subprocess sources cut to the length, then a request (the same ids for the same Python and
+tokenizer): to summarize them (`summary`, new text), or to rewrite the last function with type
+hints (`edit`, mostly the file's own lines again, where n-gram copies from the prompt pay).
+macspec plain and the default (speculative, adaptive K, the pair's own draft context) decode it
+greedily with the prompt cache emptied first, and llama.cpp decodes the same ids from the GGUF
+file with --gguf and the optional package xllamacpp. Every row is timed from outside, as `macspec
+bench`'s others: the time to the first token (TTFT), prompt ids over TTFT (prefill tok/s), tokens
+after the first over the time after it (decode tok/s); and the process's peak RSS during the row
+(rss.py). Each row runs `repeats` times (the methods taking turns at each length) and reports the
+medians, the TTFT's and decode tok/s's ranges and the largest peak RSS. docs/benchmarks.md,
+"Long prompts".
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ from .rss import peak_rss, reset_peak, resident
 from .runner import Runner, run_events
 
 SOURCES = (argparse, collections, shutil, subprocess)  # the pasted file, in this order
-ASK = "\n\nSummarize what the code above does, in a few sentences.\n"
+# The requests after the pasted file (--ask): a summary is new text; an edit repeats the file's
+# lines, as a coding assistant's answers do.
+ASKS = {
+    "summary": "\n\nSummarize what the code above does, in a few sentences.\n",
+    "edit": "\n\nRewrite the last complete function above with type hints added to its signature. "
+    "Reply with the whole function only.\n",
+}
 PLAIN = Method("macspec_plain")
 DEFAULT = Method("macspec_adaptive", GenerationOptions().num_draft)  # as generate() drafts
 PEER = Method("llamacpp_plain")
@@ -63,6 +71,7 @@ class LengthRun:
     seed: int = 0
     repeats: int = 1  # timed runs of each row (long prompts are slow: one unless asked)
     draft_context: int = DRAFT_CONTEXT  # the ids of a prompt's end a draft model reads (0: all)
+    ask: str = "summary"  # the request after the pasted file: a key of ASKS
 
 
 def source_ids(tokenizer: Any) -> list[int]:
@@ -108,12 +117,14 @@ def length_events(
         raise OptionError(f"invalid max_tokens={run.max_tokens}: at least 2")
     if not isinstance(run.repeats, int) or run.repeats < 1:
         raise OptionError(f"invalid repeats={run.repeats!r}: an integer, at least 1")
+    if run.ask not in ASKS:
+        raise OptionError(f"invalid ask={run.ask!r}: one of {', '.join(ASKS)}")
     yield Note("loading models ...")
     pairs = load_pairs(run.target, run.draft, [PLAIN.method, DEFAULT.method], run.draft_context)
     pair = pairs["model"]
     check_lengths(lengths, pair.context_length, run.max_tokens)
     source = source_ids(pair.tokenizer)
-    ask = list(pair.tokenizer.encode(ASK, add_special_tokens=False))
+    ask = list(pair.tokenizer.encode(ASKS[run.ask], add_special_tokens=False))
     prompts = [length_prompt(source, ask, n) for n in lengths]
     names = [PLAIN.method, DEFAULT.method, PEER.method]
     peers = unavailable(run.gguf, None)
@@ -259,7 +270,9 @@ def _meta(
         "blas": blas.describe(),
         "mlx": mx.__version__,
         "python": platform.python_version(),  # its sources are the prompts
-        "prompt": f"{', '.join(m.__name__ for m in SOURCES)} sources, then {ASK.strip()!r}",
+        "ask": run.ask,
+        "prompt": f"{', '.join(m.__name__ for m in SOURCES)} sources, then "
+        f"{ASKS[run.ask].strip()!r}",
         "lengths": lengths,
         "max_tokens": run.max_tokens,
         "temperature": 0.0,
@@ -281,7 +294,8 @@ def format_lengths(result: dict[str, Any]) -> str:
     default = f"the default: {drafter}, {reads}" if drafter else "no draft model"
     out = [
         f"target {meta['target']}  draft {meta['draft']}  ({default}; {meta['blas']}; Python "
-        f"{meta['python']}'s sources; {meta['max_tokens']} tokens, greedy)",
+        f"{meta['python']}'s sources, then the {meta.get('ask', 'summary')} request; "
+        f"{meta['max_tokens']} tokens, greedy)",
         "",
         "| ids | method | TTFT s | prefill tok/s | decode tok/s | peak RSS MiB |",
         "|---:|---|---:|---:|---:|---:|",
