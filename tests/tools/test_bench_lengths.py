@@ -169,6 +169,9 @@ def test_the_edit_request_follows_the_same_sources(tiny_pair, tmp_path, capsys, 
     with pytest.raises(SystemExit) as refused:  # argparse: not one of the choices
         main([*argv[:-1], "rewrite"])
     assert refused.value.code == 2 and "--ask: invalid choice: 'rewrite'" in capsys.readouterr().err
+    plain_bench = ["bench", "--target", tiny_pair[0], "--ask", "edit", "--quiet"]
+    assert main(plain_bench) == 2  # the request of the long-prompt mode alone
+    assert "--ask edit: the request after a long prompt" in capsys.readouterr().err
     with pytest.raises(OptionError, match="invalid ask='rewrite': one of summary, edit"):
         bm.bench_lengths(LengthRun("200", "no-such-model", ask="rewrite"), quiet=True)
 

@@ -284,6 +284,10 @@ def _meta(
 def _run(args: argparse.Namespace) -> int:
     if args.serve and args.prompt_lengths:
         raise OptionError("--prompt-lengths and --serve are separate modes: choose one")
+    if args.ask is not None and not args.prompt_lengths:
+        raise OptionError(
+            f"--ask {args.ask}: the request after a long prompt, --prompt-lengths only"
+        )
     if args.repeats is None:  # not given: each mode's own default
         args.repeats = LENGTH_REPEATS if args.prompt_lengths else REPEATS
     if args.serve:  # the prompt cache's and the server's own benchmark (bench/serve.py)
@@ -304,11 +308,11 @@ def _run(args: argparse.Namespace) -> int:
             args.seed,
             args.repeats,
             args.draft_context,
-            args.ask,
+            args.ask or "summary",
         )
         bench_lengths(run, args.output, args.charts, args.quiet)
         return 0
-    skip = ("func", "command", "serve", "turns", "prompt_lengths")
+    skip = ("func", "command", "serve", "turns", "prompt_lengths", "ask")
     bench(**{k: v for k, v in vars(args).items() if k not in skip})
     return 0
 
@@ -391,8 +395,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--ask",
         choices=sorted(ASKS),
-        default="summary",
-        help="--prompt-lengths: the request after the pasted sources: summarize them (new text) "
-        "or rewrite the last function with type hints (mostly the file's lines again)",
+        help="--prompt-lengths: the request after the pasted sources: summarize them (new text, "
+        "the default) or rewrite the last function with type hints (mostly the file's lines "
+        "again)",
     )
     p.set_defaults(func=_run)
