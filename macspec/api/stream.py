@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,19 +279,23 @@ def stream_generate(
     prompt: str | Sequence[int] | None = None,
     *,
     messages: Sequence[dict[str, str]] | None = None,
+    on_prefill: Callable[[int, int], None] | None = None,
     **options: Any,
 ) -> GenerationStream:
     """Generate from `prompt` or `messages`, yielding one RoundEvent per target forward pass.
 
     `messages` ([{"role": "user", "content": ...}, ...]) go through the target's chat template,
     as `macspec chat` and `macspec generate` do; a string `prompt` is encoded as-is (no chat
-    template); a list of ids is used exactly. The options are `GenerationOptions`' fields
-    (macspec/api/options.py: max_tokens, temperature, top_p, top_k, min_p, repetition_penalty,
-    num_draft, seed, stop, speculative, adaptive, grammar, json_schema, top_logprobs)."""
+    template); a list of ids is used exactly. `on_prefill(read, total)` is called, on the
+    generating thread, as the prompt's ids are read (every 512, and when all are; ids the
+    prompt cache held count as read); an exception it raises ends the generation. The options
+    are `GenerationOptions`' fields (macspec/api/options.py: max_tokens, temperature, top_p,
+    top_k, min_p, repetition_penalty, num_draft, seed, stop, speculative, adaptive, grammar,
+    json_schema, top_logprobs)."""
     opts = GenerationOptions.from_kwargs(**options)
     ids = prompt_ids(pair, prompt, messages)
     check_length(pair, ids)
-    return _stream(pair, ids, opts)
+    return _stream(pair, ids, opts, progress=on_prefill)
 
 
 def check_length(pair: Pair, ids: Sequence[int]) -> None:
@@ -380,10 +384,15 @@ class GenerationStream:
 
 
 def _stream(
-    pair: Pair, ids: list[int], opts: GenerationOptions, rounds: Any = generate_rounds
+    pair: Pair,
+    ids: list[int],
+    opts: GenerationOptions,
+    rounds: Any = generate_rounds,
+    progress: Callable[[int, int], None] | None = None,
 ) -> GenerationStream:
     """The generation's stream; `rounds`: what makes its Rounds, with generate_rounds'
-    arguments (the server's batches give core/batch_rounds.py's rows)."""
+    arguments (the server's batches give core/batch_rounds.py's rows); `progress`: told
+    (ids read, ids to read) as the prompt is read (stream_generate's on_prefill)."""
     constraint = None
     if opts.constraint is not None:
         eos = sorted(pair.eos_token_ids)
@@ -404,6 +413,7 @@ def _stream(
         policy,
         pair.timing,
         pair.prompt_cache if pair.group is None else None,
+        progress,
     )
     sampling = Sampling(opts.sampling, mx.random.key(seed), constraint, opts.top_logprobs)
     limits = Limits(opts.max_tokens, frozenset(pair.eos_token_ids), pair.context_length)
@@ -448,6 +458,6 @@ def generate(
     return GenerationResult(tokens, "".join(parts), finish, stream.stats())
 
 
-_first = list(inspect.signature(stream_generate).parameters.values())[:3]
+_first = list(inspect.signature(stream_generate).parameters.values())[:4]
 stream_generate.__signature__ = options_signature(_first)
 generate.__signature__ = options_signature(_first)

@@ -92,6 +92,8 @@ class Engine:
     policy: Policy
     timing: Timing
     prompt_cache: PromptCache | None = None
+    # Told (ids read, ids to read) as a long prompt is read: a chat says how far it is.
+    progress: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,11 @@ def rounds(
     hidden states) where its round shares the target's pass."""
     e, key = engine, sampling.key
     history, max_step = list(prompt), _max_step(e)
-    kept, prefill_time = yield from _start(e, prompt, max_step, share.chunk if share else None)
+    if share is not None:
+        turns = _Turns(share.chunk, pausing=True)
+    else:
+        turns = _Turns(READ_CHUNK if e.progress is not None else None)
+    kept, prefill_time = yield from _start(e, prompt, max_step, turns)
     opening = (prefill_time, kept.length if kept else 0)  # reported with the first round
     generated, steady = 0, True  # steady: the states hold `history` (less its last id)
     ready, clearing = perf_counter(), memory.CacheClearing()  # ready: the latest ids read
@@ -247,19 +253,26 @@ def _max_step(e: Engine) -> int:
     return max_step
 
 
-class _Turns:
-    """A prompt read in turns of `chunk` ids (None: at once), PREFILLING yielded between them
-    (a long prompt never stalls a batch's other rows by more than a turn); `seconds`: the time
-    spent reading, less the time between turns."""
+# A generation whose reading is reported (Engine.progress) reads its target's prompt in turns of
+# caches.prefill's own chunk, from the same first id: the same chunks, so the same bits.
+READ_CHUNK = 512
 
-    def __init__(self, chunk: int | None) -> None:
-        self.chunk, self.spent, self.t0 = chunk, 0.0, perf_counter()
+
+class _Turns:
+    """A prompt read in turns of `chunk` ids (None or 0: at once); `pausing` (a batched row):
+    PREFILLING yielded between them (a long prompt never stalls a batch's other rows by more
+    than a turn); `seconds`: the time spent reading, less the time between turns."""
+
+    def __init__(self, chunk: int | None, pausing: bool = False) -> None:
+        self.chunk, self.pausing, self.spent, self.t0 = chunk or None, pausing, 0.0, perf_counter()
 
     def stops(self, done: int, end: int) -> list[int]:
         """Where each turn ends, reading from `done` to `end`."""
         return [end] if self.chunk is None else [*range(done + self.chunk, end, self.chunk), end]
 
     def pause(self, arrays: list) -> Generator[object, Sent, None]:
+        if not self.pausing:
+            return
         mx.eval(arrays)
         self.spent += perf_counter() - self.t0
         yield PREFILLING
@@ -271,15 +284,14 @@ class _Turns:
 
 
 def _start(
-    e: Engine, prompt: list[int], max_step: int, chunk: int | None
+    e: Engine, prompt: list[int], max_step: int, turns: _Turns
 ) -> Generator[object, Sent, tuple[Hit | None, float]]:
     """Bring the target and the drafter to the prompt: from kept states where the prompt cache
-    has some, else by reading it (in turns of `chunk` ids: _Turns). Returns the kept states
-    used and the seconds taken."""
-    turns = _Turns(chunk)
+    has some, else by reading it (in turns: _Turns). Returns the kept states used and the
+    seconds taken."""
     cache = e.prompt_cache
     kept = cache.restore(prompt, e.drafter, max_step) if cache is not None else None
-    yield from _read_target(e.target, prompt, max_step, kept, turns)
+    yield from _read_target(e.target, prompt, max_step, kept, turns, e.progress)
     if e.drafter is not None:
         yield from _read_draft(e, prompt, max_step, kept, turns)
     if e.prompt_cache is not None and e.prompt_cache.wants_checkpoint(e.target.cache):
@@ -288,10 +300,16 @@ def _start(
 
 
 def _read_target(
-    target: Target, prompt: list[int], max_step: int, kept: Hit | None, turns: _Turns
+    target: Target,
+    prompt: list[int],
+    max_step: int,
+    kept: Hit | None,
+    turns: _Turns,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Generator[object, Sent, None]:
-    """The target reads all but the prompt's last id (after the kept ones), a turn at a time;
-    a drafter that reads hidden states gets them for every id read, in order."""
+    """The target reads all but the prompt's last id (after the kept ones), a turn at a time
+    (each evaluated as it is read: caches.prefill), `progress` told after each; a drafter
+    that reads hidden states gets them for every id read, in order."""
     cache = kept.target if kept is not None else None
     end = len(prompt) - 1  # the target holds all but the last id
     done = caches.length(cache) if cache is not None else 0
@@ -301,6 +319,8 @@ def _read_target(
         cache = target.cache
         if target.hidden is not None:
             hidden.append(target.hidden)
+        if progress is not None:
+            progress(stop, end)
         if stop < end:
             yield from turns.pause(caches.state_arrays(cache))
     if target.keep_hidden and len(hidden) != 1:  # (one turn: its own already)
@@ -315,7 +335,8 @@ def _read_draft(
     the prompt in turns too; EAGLE and MTP read the target's hidden states."""
     drafter = e.drafter
     state, n = (kept.draft, kept.draft_length) if kept is not None else (None, 0)
-    if state is None and turns.chunk is not None and drafter.state_kind == "model":
+    # (A generation alone leaves a draft model's reading to its first proposal: start().)
+    if state is None and turns.pausing and drafter.state_kind == "model":
         end = len(prompt) - 1
         for stop in turns.stops(0, end):
             drafter.resume(state, prompt[: stop + 1], n, None, max_step)

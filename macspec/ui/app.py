@@ -2,8 +2,9 @@
 
 The app composes the widgets (macspec/ui/widgets/) and sets their reactive state from the
 generation's events. Generation runs on the app's one MLX thread (`MlxThread`), iterating
-`macspec.stream_generate` and posting the UI one `RoundReady` per verification round; Esc sets a
-flag it checks each round and closes the generator.
+`macspec.stream_generate` and posting the UI one `RoundReady` per verification round (and a
+`PromptRead` as a long prompt is read); Esc sets a flag it checks each round, and as the prompt
+is read, and closes the generator.
 """
 
 from __future__ import annotations
@@ -57,6 +58,18 @@ class RoundReady(Message):
     def __init__(self, event: RoundEvent, conversation: int) -> None:
         super().__init__()
         self.event, self.conversation = event, conversation
+
+
+class PromptRead(Message):
+    """How much of the prompt the worker has read (`read` of `total` ids)."""
+
+    def __init__(self, read: int, total: int, conversation: int) -> None:
+        super().__init__()
+        self.read, self.total, self.conversation = read, total, conversation
+
+
+class _Stopped(Exception):
+    """Esc while the prompt is read: raised from on_prefill, it ends the generation there."""
 
 
 class GenerationDone(Message):
@@ -123,6 +136,7 @@ class ChatApp(App):
         self.reply: Reply | None = None  # the answer being written
         self.reply_view: ReplyView | None = None
         self.busy = False
+        self._reading = False  # the status says how far a long prompt's reading is
         self.conversation_id = 0
         self._stop = threading.Event()
         self._mlx = MlxThread()  # one thread: one generation at a time on the pair
@@ -201,7 +215,7 @@ class ChatApp(App):
         self.reply = Reply(linger=self.rejected_linger)
         self.reply_view = self.conversation.add_reply(self.reply)
         self._show_progress(self.reply)
-        self.busy = True
+        self.busy, self._reading = True, False
         self._stop = threading.Event()
         self._status("answering… (Esc stops)")
         options = dict(self.options)
@@ -224,8 +238,16 @@ class ChatApp(App):
         import macspec
 
         error: BaseException | None = None
+
+        def read(done: int, total: int) -> None:  # a long prompt takes seconds to read
+            if stop.is_set():
+                raise _Stopped
+            self.post_message(PromptRead(done, total, conversation))
+
         try:
-            stream = macspec.stream_generate(self.pair, messages=messages, **options)
+            stream = macspec.stream_generate(
+                self.pair, messages=messages, on_prefill=read, **options
+            )
             try:
                 for event in stream:
                     if stop.is_set():
@@ -234,6 +256,8 @@ class ChatApp(App):
                     self.post_message(RoundReady(event, conversation))
             finally:
                 stream.close()
+        except _Stopped:
+            pass
         except Exception as e:  # shown in the conversation; the app keeps running
             error = e
         self.post_message(GenerationDone(conversation, stop.is_set(), error))
@@ -255,6 +279,18 @@ class ChatApp(App):
             view.changed()
         self._show_progress(reply)
 
+    @on(PromptRead)
+    def _on_read(self, message: PromptRead) -> None:
+        if message.conversation != self.conversation_id or not self.busy:
+            return
+        if message.read < message.total:
+            read = f"{message.read:,} of {message.total:,} ids"
+            self._status(f"reading the prompt: {read} (Esc stops)")
+            self._reading = True
+        elif self._reading:  # read in turns: the answer comes next
+            self._status("answering… (Esc stops)")
+            self._reading = False
+
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
         self.busy = False
@@ -274,6 +310,11 @@ class ChatApp(App):
         elif reply is not None and reply.failed:  # the error is on screen; forget the message
             self.history.pop()
             self._status("stopped after an error")
+        elif message.stopped and reply is not None and not reply.spans:  # Esc before any token
+            if view is not None:
+                view.remove()
+            self.history.pop()  # unanswered: the next message goes without it
+            self._status("stopped (Esc) before the answer began")
         elif reply is not None:
             self.history.append({"role": "assistant", "content": reply.text})
             self._status(self._finish_line(reply, message.stopped))
