@@ -4,7 +4,8 @@ generation options' flags (from macspec/api/options.py), and loading the pair.""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from ..api import options
 from ..api.drafters import DRAFTERS
@@ -74,3 +75,23 @@ def announce(pair: Pair) -> str:
 
 def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     return options.from_args(args)
+
+
+def reading_line(err: TextIO) -> Callable[[int, int], None] | None:
+    """On a terminal, a line counting a long prompt's ids as they are read (a pasted file takes
+    seconds to minutes on a CPU), erased once all are; elsewhere (a pipe, a log) nothing."""
+    if not err.isatty():
+        return None
+    shown = False
+
+    def told(read: int, total: int) -> None:
+        nonlocal shown
+        if read < total:
+            err.write(f"\r[macspec] reading the prompt: {read:,} of {total:,} ids")
+            shown = True
+        elif shown:
+            err.write("\r\033[K")  # the line erased: the answer follows
+            shown = False
+        err.flush()
+
+    return told

@@ -6,11 +6,9 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
-from typing import TextIO
 
 from ..base.errors import OptionError
-from .common import add_pair_args, announce, generation_options, load_pair
+from .common import add_pair_args, announce, generation_options, load_pair, reading_line
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -49,26 +47,6 @@ def run_generate(args: argparse.Namespace) -> int:
         print()
         print(f"[macspec] {stats.summary()}", file=sys.stderr)
     return 0
-
-
-def reading_line(err: TextIO) -> Callable[[int, int], None] | None:
-    """On a terminal, a line counting a long prompt's ids as they are read (a pasted file takes
-    seconds to minutes on a CPU), erased once all are; elsewhere (a pipe, a log) nothing."""
-    if not err.isatty():
-        return None
-    shown = False
-
-    def told(read: int, total: int) -> None:
-        nonlocal shown
-        if read < total:
-            err.write(f"\r[macspec] reading the prompt: {read:,} of {total:,} ids")
-            shown = True
-        elif shown:
-            err.write("\r\033[K")  # the line erased: the answer follows
-            shown = False
-        err.flush()
-
-    return told
 
 
 def register(sub) -> None:

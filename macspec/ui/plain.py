@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..base.errors import MacspecError
+from ..cli.common import reading_line
 from .transcript import DRAFT, REJECTED, TARGET, Reply, Span, finish_label
 
 if TYPE_CHECKING:
@@ -54,15 +55,18 @@ def answer(
     out: TextIO,
     color: bool = True,
     interruptible: bool = False,
+    err: TextIO | None = None,
 ) -> Reply:
     """Stream one answer to `out`; returns the finished Reply (text + stats).
 
     With `interruptible`, Ctrl+C ends this answer only (`reply.stopped`), as Esc does in the app.
+    `err`: where a long prompt's reading is counted, if it is a terminal.
     """
     import macspec
 
     reply = Reply(linger=0.0)
-    stream = macspec.stream_generate(pair, messages=messages, **options)
+    told = reading_line(err) if err is not None else None
+    stream = macspec.stream_generate(pair, messages=messages, on_prefill=told, **options)
     try:
         for event in stream:
             # a stream cannot take text back, so rejected drafts are left out here
@@ -105,7 +109,7 @@ def run_plain(
             continue
         history.append({"role": "user", "content": message})
         try:
-            reply = answer(pair, history, options, out, color, interruptible=interactive)
+            reply = answer(pair, history, options, out, color, interactive, err)
         except MacspecError as e:
             history.pop()  # unanswered: the next message must not follow it
             if prompt is not None:

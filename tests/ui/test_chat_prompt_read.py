@@ -1,6 +1,6 @@
 """`macspec chat` with a long message: the status says how far the prompt is read, and Esc stops
-the reading itself; `macspec generate` counts it on a terminal (the real engine on tiny random
-models with a 2,048-id context)."""
+the reading itself; `macspec generate` and the plain chat count it on a terminal (the real
+engine on tiny random models with a 2,048-id context)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from support.tinymodels import make_tiny_model
 import macspec
 from macspec.api.chat_template import render as chat_prompt
 from macspec.cli import main
-from macspec.cli.generate import reading_line
+from macspec.cli.common import reading_line
 from macspec.ui import create_app
+from macspec.ui.plain import run_plain
 
 SIZE = (120, 36)
 LONG = "the quick brown fox jumps over the lazy dog. " * 30  # ~1,350 ids: three turns
@@ -132,3 +133,13 @@ def test_generate_counts_a_long_prompt_on_a_terminal_only(long_dirs, capsys, mon
     assert main(argv) == 0
     assert "reading the prompt" not in capsys.readouterr().err  # a pipe: no counting line
     assert reading_line(io.StringIO()) is None
+
+
+def test_the_plain_chat_counts_a_long_prompt_on_a_terminal(long_pair):
+    out, err = io.StringIO(), Terminal()
+    options = {"max_tokens": 4, "temperature": 0}
+    long_pair.prompt_cache.clear()  # (the tests above read the same message: read it afresh)
+    assert run_plain(long_pair, options, prompt=LONG, out=out, err=err, color=False) == 0
+    assert "\r[macspec] reading the prompt: 512 of " in err.getvalue()
+    expected = macspec.generate(long_pair, messages=[{"role": "user", "content": LONG}], **options)
+    assert expected.text in out.getvalue()
