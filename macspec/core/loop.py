@@ -255,7 +255,7 @@ def _max_step(e: Engine) -> int:
 
 # A generation whose reading is reported (Engine.progress) reads its target's prompt in turns of
 # caches.prefill's own chunk, from the same first id: the same chunks, so the same bits.
-READ_CHUNK = 512
+READ_CHUNK = caches.PREFILL_CHUNK
 
 
 class _Turns:

@@ -50,8 +50,9 @@ class Target:
         done = caches.length(self.cache) if cache is not None else 0
         if self.keep_hidden:
             body, chunks = prompt[done:-1], []
-            for i in range(0, len(body), 512):  # chunked, as prefill(): bounded graphs
-                ids = mx.array(body[i : i + 512])
+            step = caches.PREFILL_CHUNK  # chunked, as prefill(): bounded graphs
+            for i in range(0, len(body), step):
+                ids = mx.array(body[i : i + step])
                 with caches.forward(self.cache, ids.size):
                     chunks.append(hidden_states(self.model, ids, self.cache, self.taps))
                 mx.eval(chunks[-1])

@@ -5,6 +5,7 @@ from .prompt_cache import DraftState, Hit, PromptCache
 from .recurrent import RecurrentCache
 from .rewind import (
     EXACT_KINDS,
+    PREFILL_CHUNK,
     TRIMMABLE,
     check,
     describe_kinds,
@@ -22,6 +23,7 @@ from .window import WindowKVCache
 
 __all__ = [
     "EXACT_KINDS",
+    "PREFILL_CHUNK",
     "TRIMMABLE",
     "DraftState",
     "Hit",

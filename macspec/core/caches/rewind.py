@@ -175,7 +175,12 @@ def state_arrays(cache: list) -> list:
     return out
 
 
-def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = 512) -> None:
+# Ids a prompt is read in at a time (prefill, Target.start, and a generation whose reading is
+# reported, core/loop.py): one size, so that the same chunks, and so the same bits, come out.
+PREFILL_CHUNK = 512
+
+
+def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = PREFILL_CHUNK) -> None:
     """Feed `tokens` into `cache` in chunks, so long prompts do not build one huge graph."""
     for i in range(0, len(tokens), step):
         chunk = tokens[i : i + step]
