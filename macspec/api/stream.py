@@ -295,7 +295,8 @@ def stream_generate(
     opts = GenerationOptions.from_kwargs(**options)
     ids = prompt_ids(pair, prompt, messages)
     check_length(pair, ids)
-    return _stream(pair, ids, opts, progress=on_prefill)
+    told = None if on_prefill is None else lambda read, total, _held: on_prefill(read, total)
+    return _stream(pair, ids, opts, progress=told)
 
 
 def check_length(pair: Pair, ids: Sequence[int]) -> None:
@@ -388,11 +389,12 @@ def _stream(
     ids: list[int],
     opts: GenerationOptions,
     rounds: Any = generate_rounds,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> GenerationStream:
     """The generation's stream; `rounds`: what makes its Rounds, with generate_rounds'
     arguments (the server's batches give core/batch_rounds.py's rows); `progress`: told
-    (ids read, ids to read) as the prompt is read (stream_generate's on_prefill)."""
+    (ids read, ids to read, ids the prompt cache held) as the prompt is read (Engine.progress;
+    stream_generate's on_prefill without the third)."""
     constraint = None
     if opts.constraint is not None:
         eos = sorted(pair.eos_token_ids)

@@ -92,8 +92,9 @@ class Engine:
     policy: Policy
     timing: Timing
     prompt_cache: PromptCache | None = None
-    # Told (ids read, ids to read) as a long prompt is read: a chat says how far it is.
-    progress: Callable[[int, int], None] | None = None
+    # Told (ids read, ids to read, ids of them the prompt cache held) as a long prompt is read:
+    # a chat says how far it is, a server streams it (llama.cpp's prompt_progress).
+    progress: Callable[[int, int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -305,14 +306,14 @@ def _read_target(
     max_step: int,
     kept: Hit | None,
     turns: _Turns,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
 ) -> Generator[object, Sent, None]:
     """The target reads all but the prompt's last id (after the kept ones), a turn at a time
     (each evaluated as it is read: caches.prefill), `progress` told after each; a drafter
     that reads hidden states gets them for every id read, in order."""
     cache = kept.target if kept is not None else None
     end = len(prompt) - 1  # the target holds all but the last id
-    done = caches.length(cache) if cache is not None else 0
+    done = caches.length(cache) if cache is not None else 0  # ids the prompt cache held
     hidden = []
     for stop in turns.stops(done, end):
         target.start(prompt[: stop + 1], max_step, cache)  # reads prompt[done:stop]
@@ -320,7 +321,7 @@ def _read_target(
         if target.hidden is not None:
             hidden.append(target.hidden)
         if progress is not None:
-            progress(stop, end)
+            progress(stop, end, done)
         if stop < end:
             yield from turns.pause(caches.state_arrays(cache))
     if target.keep_hidden and len(hidden) != 1:  # (one turn: its own already)

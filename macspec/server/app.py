@@ -24,7 +24,7 @@ from ..api import stream as api
 from ..api.pair import Pair
 from . import logprobs, protocol
 from .protocol import DONE, HTTPError, Request, chunk, error_body, sse
-from .scheduler import END, Job, Scheduler
+from .scheduler import END, Job, PromptRead, Scheduler
 
 MAX_BODY = 4 << 20  # bytes of request body; a 128K-token conversation is about 0.5 MB
 POLL = 0.25  # seconds between checks that a waiting client is still there
@@ -170,7 +170,7 @@ class _Server:
             api.check_length(self.pair, ids)
         except Exception as e:
             return error_response(e)
-        job = self.scheduler.submit(ids, req.options)
+        job = self.scheduler.submit(ids, req.options, progress=req.stream and req.progress)
         try:
             first = await self._next(job, request)
             if isinstance(first, BaseException):
@@ -261,6 +261,13 @@ class _Server:
                     yield sse(error_body(item)[1])
                     yield DONE
                     return
+                if isinstance(item, PromptRead):
+                    told = protocol.prompt_progress(
+                        item.processed, item.total, item.cached, item.seconds
+                    )
+                    yield chunk(req, rid, model, created, None, progress=told)
+                    item = await job.events.get()
+                    continue
                 stats, reason = item.stats, item.finish_reason or reason
                 text, calls = reader.feed(item.text) if reader else (item.text, [])
                 entries += item.logprobs or ()  # held with text a tool-call reader holds back

@@ -12,7 +12,6 @@ from typing import Any
 
 from ..api.options import GenerationOptions
 from ..api.pair import Pair
-from ..api.stream import _stream, check_length, prompt_ids
 from ..core.batch import shared_reason
 from ..core.batch_rounds import BatchDriver, Row, row_rounds
 from .scheduler import END, Job, Scheduler
@@ -102,8 +101,6 @@ class BatchScheduler(Scheduler):
             if self.reason != "" or alone_reason(opts):  # None: not checked, so not shared
                 self.turns += bool(self.batch)
                 return True  # _step starts it alone
-            ids = prompt_ids(self.pair, job.ids)
-            check_length(self.pair, ids)
 
             def rounds(*args: Any, **kwargs: Any) -> Row:
                 # Alone in a round, a row's round is generate_rounds' own (a pass launched ahead).
@@ -112,7 +109,7 @@ class BatchScheduler(Scheduler):
                 self._rows[id(job)] = row
                 return row
 
-            job.stream = _stream(self.pair, ids, opts, rounds)
+            job.stream = self._stream(job, rounds)
         except Exception as e:  # bad options: reported to its client; the server goes on
             self._fail(job, e)
             return False

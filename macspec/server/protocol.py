@@ -91,6 +91,9 @@ class Request:
     options: dict[str, Any] = field(default_factory=dict)
     stream: bool = False
     include_usage: bool = False
+    # llama.cpp's server's `return_progress`: a streamed answer's chunks tell the prompt's
+    # reading as it goes (prompt_progress), so a client can show it and knows the server lives
+    progress: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Choice = Choice("none")
     parallel_tool_calls: bool = True  # false: a required call is exactly one
@@ -111,6 +114,7 @@ def parse_request(data: dict[str, Any], endpoint: str, defaults: dict[str, Any])
         raise HTTPError("model must be a string", param="model")
     req = Request(endpoint, model)
     req.stream = _flag(data, "stream")
+    req.progress = _flag(data, "return_progress")
     stream_options = data.get("stream_options")
     if stream_options is not None:
         if not isinstance(stream_options, dict):
@@ -350,10 +354,12 @@ def chunk(
     extra: dict | None = None,
     calls: Sequence[tuple[int, ToolCall]] = (),
     logprobs: dict | None = None,
+    progress: dict | None = None,
 ) -> bytes:
     """One server-sent event: a text delta (and tool calls complete in it, with their index in
     the answer), the finish, or (choices empty) the usage. `extra`: this round's drafts
-    (drafted, accepted), under "macspec"."""
+    (drafted, accepted), under "macspec"; `progress` (text None): how far the prompt is read,
+    under "prompt_progress" as llama.cpp's server sends it (prompt_progress())."""
     head: dict[str, Any] = {"id": rid, "created": created, "model": model}
     if req.endpoint == "chat":
         head["object"] = "chat.completion.chunk"
@@ -374,7 +380,20 @@ def chunk(
         body["usage"] = use
     if extra is not None:
         body["macspec"] = extra
+    if progress is not None:
+        body["prompt_progress"] = progress
     return sse(body)
+
+
+def prompt_progress(processed: int, total: int, cached: int, seconds: float) -> dict[str, int]:
+    """llama.cpp's prompt_progress: the prompt's ids (total), those its cache held (cache),
+    those held so far, cached ones included (processed), and the milliseconds spent reading."""
+    return {
+        "total": total,
+        "cache": cached,
+        "processed": processed,
+        "time_ms": round(seconds * 1000),
+    }
 
 
 def sse(body: Any) -> bytes:

@@ -12,14 +12,31 @@ import threading
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 from ..api.mlx_thread import MlxThread
+from ..api.options import GenerationOptions
 from ..api.pair import Pair
-from ..api.stream import GenerationStream, stream_generate
+from ..api.stream import GenerationStream, _stream, check_length, prompt_ids
 from ..base.errors import MacspecError
 
 END = object()  # the last item of a job's queue after its final event
+
+
+class HungUp(Exception):
+    """Raised from a job's prompt reading once its client has gone: the reading stops at its
+    next turn (512 ids) instead of reading a long prompt nobody waits for."""
+
+
+@dataclass(frozen=True)
+class PromptRead:
+    """A job's item while its prompt is read (the client asked for return_progress)."""
+
+    processed: int  # ids held so far, the cached ones included
+    total: int  # ids to hold before the first pass (all but the prompt's last)
+    cached: int  # ids the prompt cache held
+    seconds: float  # since the reading began
 
 
 @dataclass
@@ -31,12 +48,21 @@ class Job:
     cancelled: bool = False  # the client went away: stop at the next round
     stopped: bool = False  # the server is shutting down: the answer was cut short
     stream: GenerationStream | None = None
+    progress: bool = False  # PromptRead items as the prompt is read
+    began: float = 0.0  # when its generation opened (perf_counter)
 
     def put(self, item: Any) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
+
+    def reading(self, read: int, total: int, cached: int) -> None:
+        """Told as the prompt is read (on the MLX thread): a hung-up client ends it."""
+        if self.cancelled:
+            raise HungUp()
+        if self.progress:
+            self.put(PromptRead(read, total, cached, perf_counter() - self.began))
 
 
 class Scheduler:
@@ -61,8 +87,9 @@ class Scheduler:
         startup, never by the first request)."""
         self._done = self.mlx.run(self._run)
 
-    def submit(self, ids: list[int], options: dict[str, Any]) -> Job:
-        job = Job(ids, options, asyncio.get_running_loop())
+    def submit(self, ids: list[int], options: dict[str, Any], progress: bool = False) -> Job:
+        """Queue a generation; `progress`: PromptRead items as its prompt is read."""
+        job = Job(ids, options, asyncio.get_running_loop(), progress=progress)
         with self._cond:
             if self._closing:
                 job.stopped = True
@@ -135,7 +162,7 @@ class Scheduler:
             return False
         try:
             if job.stream is None:
-                job.stream = stream_generate(self.pair, job.ids, **job.options)
+                job.stream = self._stream(job)
             event = next(job.stream)
         except StopIteration:
             job.put(END)
@@ -145,6 +172,16 @@ class Scheduler:
             return False
         return self._deliver(job, event)
 
+    def _stream(self, job: Job, rounds: Any = None) -> GenerationStream:
+        """The job's generation (its rounds made by `rounds`, a batch's rows, if given), its
+        prompt read in turns told to the job (Job.reading)."""
+        opts = GenerationOptions.from_kwargs(**job.options)
+        ids = prompt_ids(self.pair, job.ids)
+        check_length(self.pair, ids)
+        job.began = perf_counter()
+        more = {} if rounds is None else {"rounds": rounds}
+        return _stream(self.pair, ids, opts, progress=job.reading, **more)
+
     def _cancelled(self, job: Job) -> bool:
         """Whether the client went away (its generation is then closed)."""
         if job.cancelled and job.stream is not None:
@@ -152,6 +189,10 @@ class Scheduler:
         return job.cancelled
 
     def _fail(self, job: Job, e: Exception) -> None:
+        if isinstance(e, HungUp):  # its client is gone: not a failure, and nobody to tell
+            if job.stream is not None:
+                job.stream.close()
+            return
         if not isinstance(e, MacspecError):
             traceback.print_exception(e)
         if job.stream is not None:
