@@ -25,7 +25,15 @@ from ..api.mlx_thread import MlxThread
 from ..api.options import DEFAULTS, NAMES
 from ..base.errors import MacspecError, OptionError, PromptError
 from .transcript import Reply, finish_label, num, pct
-from .widgets import AcceptChart, Conversation, Legend, ReplyView, SettingsPanel, StatsPanel
+from .widgets import (
+    AcceptChart,
+    Conversation,
+    Legend,
+    ReadingBar,
+    ReplyView,
+    SettingsPanel,
+    StatsPanel,
+)
 
 if TYPE_CHECKING:
     from ..api.pair import Pair
@@ -153,6 +161,7 @@ class ChatApp(App):
                 yield Static("accepted drafts per round", id="chart-label")
                 yield AcceptChart(id="chart", ceiling=max(1, self.options["num_draft"]))
                 yield SettingsPanel(id="settings")
+        yield ReadingBar(id="reading", eta=self.timings)
         yield Static("", id="status")
         yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt")
         yield Footer()
@@ -163,6 +172,7 @@ class ChatApp(App):
         self._stats = self.query_one(StatsPanel)
         self._chart = self.query_one(AcceptChart)
         self._settings = self.query_one(SettingsPanel)
+        self._reading_bar = self.query_one(ReadingBar)
         if self.system:
             self.conversation.add(Text(f"system: {self.system}"), "system")
         self._show_settings()
@@ -283,6 +293,7 @@ class ChatApp(App):
     def _on_read(self, message: PromptRead) -> None:
         if message.conversation != self.conversation_id or not self.busy:
             return
+        self._reading_bar.show(message.read, message.total)
         if message.read < message.total:
             read = f"{message.read:,} of {message.total:,} ids"
             self._status(f"reading the prompt: {read} (Esc stops)")
@@ -294,6 +305,7 @@ class ChatApp(App):
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
         self.busy = False
+        self._reading_bar.hide()
         if message.conversation != self.conversation_id:
             return
         reply, self.reply = self.reply, None

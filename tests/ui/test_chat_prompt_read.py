@@ -10,6 +10,7 @@ import io
 
 import pytest
 from support.tinymodels import make_tiny_model
+from textual.widgets import ProgressBar
 
 import macspec
 from macspec.api.chat_template import render as chat_prompt
@@ -17,6 +18,7 @@ from macspec.cli import main
 from macspec.cli.common import reading_line
 from macspec.ui import create_app
 from macspec.ui.plain import run_plain
+from macspec.ui.widgets import ReadingBar
 
 SIZE = (120, 36)
 LONG = "the quick brown fox jumps over the lazy dog. " * 30  # ~1,350 ids: three turns
@@ -43,13 +45,17 @@ def long_pair(long_dirs):
     return macspec.load(*long_dirs)
 
 
-def recording(app) -> list[str]:
-    """Every status line the app shows, in order."""
+def recording(app, bars: list | None = None) -> list[str]:
+    """Every status line the app shows, in order; `bars`: with each, the reading bar's
+    (shown, progress, total)."""
     shown, show = [], app._status
 
     def status(message: str) -> None:
         shown.append(message)
         show(message)
+        if bars is not None:
+            bar = app.query_one("#reading-progress", ProgressBar)
+            bars.append((app.query_one(ReadingBar).display, bar.progress, bar.total))
 
     app._status = status
     return shown
@@ -66,7 +72,8 @@ async def answered(app, pilot, message: str) -> None:
 async def test_the_status_counts_the_prompt_read_then_the_answer_comes(long_pair):
     app = create_app(long_pair, max_tokens=8, seed=0)
     async with app.run_test(size=SIZE) as pilot:
-        shown = recording(app)
+        bars = []
+        shown = recording(app, bars)
         await answered(app, pilot, LONG)
         ids = chat_prompt(long_pair.tokenizer, [{"role": "user", "content": LONG}])
         total = len(ids) - 1
@@ -76,7 +83,12 @@ async def test_the_status_counts_the_prompt_read_then_the_answer_comes(long_pair
             f"reading the prompt: 512 of {total:,} ids (Esc stops)",
             f"reading the prompt: 1,024 of {total:,} ids (Esc stops)",
         ]
-        assert shown.index(reading[-1]) < shown.index("answering… (Esc stops)", 1)
+        answering = shown.index("answering… (Esc stops)", 1)
+        assert shown.index(reading[-1]) < answering
+        # The bar shows each turn while the prompt is read, and hides when the answer begins.
+        at = [shown.index(line) for line in reading]
+        assert [bars[i] for i in at] == [(True, 512, total), (True, 1024, total)]
+        assert bars[answering][0] is False and not app.query_one(ReadingBar).display
         assert (
             app.history[-1]["content"]
             == macspec.generate(long_pair, ids, max_tokens=8, seed=0).text
@@ -112,6 +124,20 @@ async def test_escape_while_reading_stops_before_the_answer_and_the_next_message
             long_pair, chat_prompt(long_pair.tokenizer, history), max_tokens=8, seed=0
         )
         assert app.history == [*history, {"role": "assistant", "content": expected.text}]
+
+
+def test_snapshot_while_a_long_prompt_is_read(long_dirs, snap_compare):
+    """The reading bar under the conversation, a quarter through (its estimate hidden with
+    the other timings)."""
+    app = create_app(macspec.load(*long_dirs), max_tokens=8, timings=False)
+
+    async def run_before(pilot):
+        app._reading_bar.show(1024, 3870)
+        app._status("reading the prompt: 1,024 of 3,870 ids (Esc stops)")
+        app.query_one("#prompt").cursor_blink = False  # a blinking cursor differs shot to shot
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
 class Terminal(io.StringIO):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .chart import AcceptChart
 from .conversation import Conversation
 from .legend import STYLES, Legend
+from .reading import ReadingBar
 from .reply import ReplyView
 from .settings import SettingsPanel
 from .stats import StatsPanel
@@ -14,6 +15,7 @@ __all__ = [
     "AcceptChart",
     "Conversation",
     "Legend",
+    "ReadingBar",
     "ReplyView",
     "SettingsPanel",
     "StatsPanel",
