@@ -82,6 +82,23 @@ def test_progress_chunks_come_before_the_answer(long_pair, batch):
         assert all(t["processed"] >= t["cache"] for t in told)
         assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == want.text
 
+        # /v1/completions, the prompt as ids: the same chunks, in its own shape.
+        _forget(long_pair)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        raw = list(
+            client.completions.create(
+                model=long_pair.target_path.name,
+                prompt=ids,
+                stream=True,
+                extra_body={"return_progress": True},
+                **GREEDY,
+            )
+        )
+        told = [c.model_extra["prompt_progress"] for c in raw if "prompt_progress" in c.model_extra]
+        assert [t["processed"] for t in told] == [*range(turn, total, turn), total]
+        assert all(c.choices[0].text == "" for c in raw if "prompt_progress" in c.model_extra)
+        assert "".join(c.choices[0].text for c in raw if c.choices) == want.text
+
         # Not asked: no progress chunk.
         _forget(long_pair)
         plain = _chunks(url, long_pair)
