@@ -296,7 +296,7 @@ def stream_generate(
     ids = prompt_ids(pair, prompt, messages)
     check_length(pair, ids)
     told = None if on_prefill is None else lambda read, total, _held: on_prefill(read, total)
-    return _stream(pair, ids, opts, progress=told)
+    return open_stream(pair, ids, opts, progress=told)
 
 
 def check_length(pair: Pair, ids: Sequence[int]) -> None:
@@ -384,7 +384,7 @@ class GenerationStream:
         self._steps.close()
 
 
-def _stream(
+def open_stream(
     pair: Pair,
     ids: list[int],
     opts: GenerationOptions,

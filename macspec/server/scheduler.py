@@ -18,7 +18,7 @@ from typing import Any
 from ..api.mlx_thread import MlxThread
 from ..api.options import GenerationOptions
 from ..api.pair import Pair
-from ..api.stream import GenerationStream, _stream, check_length, prompt_ids
+from ..api.stream import GenerationStream, check_length, open_stream, prompt_ids
 from ..base.errors import MacspecError
 
 END = object()  # the last item of a job's queue after its final event
@@ -162,7 +162,7 @@ class Scheduler:
             return False
         try:
             if job.stream is None:
-                job.stream = self._stream(job)
+                job.stream = self._generation(job)
             event = next(job.stream)
         except StopIteration:
             job.put(END)
@@ -172,7 +172,7 @@ class Scheduler:
             return False
         return self._deliver(job, event)
 
-    def _stream(self, job: Job, rounds: Any = None) -> GenerationStream:
+    def _generation(self, job: Job, rounds: Any = None) -> GenerationStream:
         """The job's generation (its rounds made by `rounds`, a batch's rows, if given), its
         prompt read in turns told to the job (Job.reading)."""
         opts = GenerationOptions.from_kwargs(**job.options)
@@ -180,7 +180,7 @@ class Scheduler:
         check_length(self.pair, ids)
         job.began = perf_counter()
         more = {} if rounds is None else {"rounds": rounds}
-        return _stream(self.pair, ids, opts, progress=job.reading, **more)
+        return open_stream(self.pair, ids, opts, progress=job.reading, **more)
 
     def _cancelled(self, job: Job) -> bool:
         """Whether the client went away (its generation is then closed)."""

@@ -327,7 +327,9 @@ def test_a_row_alone_in_its_round_runs_generate_rounds_own_round(kinds):
         return made["row"]
 
     pair = kinds["plain"]
-    stream = api._stream(pair, api.prompt_ids(pair, PROMPTS[0]), GenerationOptions(**opts), rounds)
+    stream = api.open_stream(
+        pair, api.prompt_ids(pair, PROMPTS[0]), GenerationOptions(**opts), rounds
+    )
     row, target = made["row"], None
     got = []
     for _ in range(3):

@@ -31,7 +31,7 @@ def open_row(pair, prompt, chunk=PREFILL_CHUNK, **options):
         return made["row"]
 
     ids = api.prompt_ids(pair, prompt)
-    stream = api._stream(pair, ids, GenerationOptions.from_kwargs(**options), rounds)
+    stream = api.open_stream(pair, ids, GenerationOptions.from_kwargs(**options), rounds)
     return stream, made["row"]
 
 
