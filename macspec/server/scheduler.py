@@ -50,6 +50,7 @@ class Job:
     stream: GenerationStream | None = None
     progress: bool = False  # PromptRead items as the prompt is read
     began: float = 0.0  # when its generation opened (perf_counter)
+    read: tuple[int, int] = (0, 0)  # (ids held, ids to hold) of its prompt, as last told
 
     def put(self, item: Any) -> None:
         try:
@@ -61,8 +62,14 @@ class Job:
         """Told as the prompt is read (on the MLX thread): a hung-up client ends it."""
         if self.cancelled:
             raise HungUp()
+        self.read = (read, total)
         if self.progress:
             self.put(PromptRead(read, total, cached, perf_counter() - self.began))
+
+
+def _reading(job: Job) -> bool:
+    """Whether the job's prompt is being read: told part of it, not yet all."""
+    return 0 < job.read[0] < job.read[1]
 
 
 class Scheduler:
@@ -119,10 +126,13 @@ class Scheduler:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            active, queued = len(self._active), len(self._pending)
+            active, queued = list(self._active), len(self._pending)
+        # Requests whose long prompts are being read: no token comes until they are.
+        reading = [{"processed": j.read[0], "total": j.read[1]} for j in active if _reading(j)]
         return {
-            "active": active,
+            "active": len(active),
             "queued": queued,
+            "reading": reading,
             "served": self.served,
             "failed": self.failed,
             "completion_tokens": self.generated,

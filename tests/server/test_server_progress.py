@@ -108,8 +108,9 @@ def test_progress_chunks_come_before_the_answer(long_pair, batch):
 
 @pytest.mark.parametrize("batch", [True, False], ids=["batch-row", "turns"])
 def test_a_client_gone_while_its_prompt_is_read_stops_the_reading(long_pair, batch):
-    """The client hangs up as the first progress reaches it: the reading ends at its next
-    turn, with no answer, no failure counted, and the next request is answered as before."""
+    """The client hangs up as the first progress reaches it (/health's "reading" lists it
+    then): the reading ends at its next turn, with no answer, no failure counted, and the next
+    request is answered as before."""
     ids = api.prompt_ids(long_pair, messages=LONG)
     _forget(long_pair)
     want = macspec.generate(long_pair, prompt=ids, **GREEDY)
@@ -122,8 +123,11 @@ def test_a_client_gone_while_its_prompt_is_read_stops_the_reading(long_pair, bat
             job = scheduler.submit(ids, dict(GREEDY), progress=True)
             put = job.put
 
+            health = []
+
             def hang_up(item):  # the client is gone once it has seen the first progress
                 if isinstance(item, PromptRead):
+                    health.append(scheduler.status()["reading"])  # what /health says then
                     job.cancelled = True
                 put(item)
 
@@ -133,7 +137,10 @@ def test_a_client_gone_while_its_prompt_is_read_stops_the_reading(long_pair, bat
             while not job.events.empty():
                 seen.append(job.events.get_nowait())
             assert [type(i) for i in seen if i is not END] == [PromptRead]
-            assert seen[0].processed == (ROW_CHUNK if batch else READ_CHUNK)
+            turn = ROW_CHUNK if batch else READ_CHUNK
+            assert seen[0].processed == turn
+            assert health == [[{"processed": turn, "total": len(ids) - 1}]]
+            assert scheduler.status()["reading"] == []
             assert scheduler.failed == 0 and scheduler.served == 0
             _forget(long_pair)
             nxt = scheduler.submit(ids, dict(GREEDY))
