@@ -188,9 +188,12 @@ class Scheduler:
         opts = GenerationOptions.from_kwargs(**job.options)
         ids = prompt_ids(self.pair, job.ids)
         check_length(self.pair, ids)
-        job.began = perf_counter()
         more = {} if rounds is None else {"rounds": rounds}
-        return open_stream(self.pair, ids, opts, progress=job.reading, **more)
+        stream = open_stream(self.pair, ids, opts, progress=job.reading, **more)
+        # Its rounds, the reading first, run from here: a grammar's compilation and the
+        # drafter's making, done above, are not the prompt's reading.
+        job.began = perf_counter()
+        return stream
 
     def _cancelled(self, job: Job) -> bool:
         """Whether the client went away (its generation is then closed)."""
