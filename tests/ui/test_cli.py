@@ -148,3 +148,22 @@ def test_a_negative_draft_context_is_one_message(tiny_dirs, capsys):
     assert main(args) != 0
     err = capsys.readouterr().err
     assert "draft_context=-3" in err and "Traceback" not in err
+
+
+def test_the_chat_paints_fewer_frames_where_the_cpu_generates(monkeypatch):
+    """On the CPU the app's default frame rate is CPU_FPS (its drawing would take a core from
+    the answer); a user's own TEXTUAL_FPS stands, and elsewhere Textual keeps its own."""
+    import sys
+
+    import mlx.core as mx
+
+    from macspec.ui import command
+
+    monkeypatch.delitem(sys.modules, "textual.screen", raising=False)  # as before Textual loads
+    monkeypatch.delenv("TEXTUAL_FPS", raising=False)
+    command._frame_rate()
+    want = str(command.CPU_FPS) if mx.default_device() == mx.cpu else None
+    assert command.os.environ.get("TEXTUAL_FPS") == want
+    monkeypatch.setenv("TEXTUAL_FPS", "50")
+    command._frame_rate()
+    assert command.os.environ["TEXTUAL_FPS"] == "50"

@@ -29,7 +29,9 @@ class ReadingBar(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield Label("prompt ", id="reading-label")
-        yield ProgressBar(show_eta=self.eta, id="reading-progress")
+        # Determinate from the start: an indeterminate bar animates 15 times a second, hidden
+        # or not, and that redrawing took a core from the answer (a haiku fell to 0.94x plain).
+        yield ProgressBar(total=1, show_eta=self.eta, id="reading-progress")
 
     def show(self, read: int, total: int) -> None:
         """The reading has reached `read` of `total` ids; the bar hides once all are read."""
