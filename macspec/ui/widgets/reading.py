@@ -30,7 +30,7 @@ class ReadingBar(Horizontal):
     def compose(self) -> ComposeResult:
         yield Label("prompt ", id="reading-label")
         # Determinate from the start: an indeterminate bar animates 15 times a second, hidden
-        # or not, and that redrawing took a core from the answer (a haiku fell to 0.94x plain).
+        # or not, and every frame drawn shares the cores with the answer.
         yield ProgressBar(total=1, show_eta=self.eta, id="reading-progress")
 
     def show(self, read: int, total: int) -> None:
