@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any, TextIO
 
 from ..api import options
@@ -82,12 +83,14 @@ def reading_line(err: TextIO) -> Callable[[int, int], None] | None:
     seconds to minutes on a CPU), erased once all are; elsewhere (a pipe, a log) nothing."""
     if not err.isatty():
         return None
-    shown = False
+    shown, began = False, perf_counter()  # the reading starts as the generation does
 
     def told(read: int, total: int) -> None:
         nonlocal shown
         if read < total:
-            err.write(f"\r[macspec] reading the prompt: {read:,} of {total:,} ids")
+            left = (perf_counter() - began) * (total - read) / read  # at the rate so far
+            share = f"{read / total:.0%}, about {_duration(left)} left"
+            err.write(f"\r[macspec] reading the prompt: {read:,} of {total:,} ids ({share})\033[K")
             shown = True
         elif shown:
             err.write("\r\033[K")  # the line erased: the answer follows
@@ -95,3 +98,9 @@ def reading_line(err: TextIO) -> Callable[[int, int], None] | None:
         err.flush()
 
     return told
+
+
+def _duration(seconds: float) -> str:
+    """ "45 s", "3 min 20 s": a wait as a person reads it."""
+    whole = max(1, round(seconds))
+    return f"{whole} s" if whole < 60 else f"{whole // 60} min {whole % 60} s"

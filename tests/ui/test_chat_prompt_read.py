@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
+import re
 
 import pytest
 from support.tinymodels import make_tiny_model
@@ -153,8 +154,11 @@ def test_generate_counts_a_long_prompt_on_a_terminal_only(long_dirs, capsys, mon
     assert main(argv) == 0
     total = len(macspec.load(long_dirs[0]).tokenizer.encode(LONG)) - 1
     err = terminal.getvalue()
-    assert f"\r[macspec] reading the prompt: 512 of {total:,} ids" in err
-    assert f"\r[macspec] reading the prompt: 1,024 of {total:,} ids\r\033[K" in err
+    # Each count with its share and the time left at the rate so far, then the line erased.
+    count = r"\r\[macspec\] reading the prompt: {} of {} ids \({}%, about \d+ s left\)\033\[K"
+    first = count.format("512", f"{total:,}", round(100 * 512 / total))
+    last = count.format("1,024", f"{total:,}", round(100 * 1024 / total)) + r"\r\033\[K"
+    assert re.search(first, err) and re.search(last, err), repr(err)
     monkeypatch.undo()
     assert main(argv) == 0
     assert "reading the prompt" not in capsys.readouterr().err  # a pipe: no counting line
