@@ -109,7 +109,7 @@ class BatchScheduler(Scheduler):
                 self._rows[id(job)] = row
                 return row
 
-            job.stream = self._generation(job, rounds)
+            job.stream = self._generation(job, opts, rounds)
         except Exception as e:  # bad options: reported to its client; the server goes on
             self._fail(job, e)
             return False

@@ -172,7 +172,7 @@ class Scheduler:
             return False
         try:
             if job.stream is None:
-                job.stream = self._generation(job)
+                job.stream = self._generation(job, GenerationOptions.from_kwargs(**job.options))
             event = next(job.stream)
         except StopIteration:
             job.put(END)
@@ -182,10 +182,11 @@ class Scheduler:
             return False
         return self._deliver(job, event)
 
-    def _generation(self, job: Job, rounds: Any = None) -> GenerationStream:
-        """The job's generation (its rounds made by `rounds`, a batch's rows, if given), its
-        prompt read in turns told to the job (Job.reading)."""
-        opts = GenerationOptions.from_kwargs(**job.options)
+    def _generation(
+        self, job: Job, opts: GenerationOptions, rounds: Any = None
+    ) -> GenerationStream:
+        """The job's generation with its checked options (its rounds made by `rounds`, a
+        batch's rows, if given), its prompt read in turns told to the job (Job.reading)."""
         ids = prompt_ids(self.pair, job.ids)
         check_length(self.pair, ids)
         more = {} if rounds is None else {"rounds": rounds}

@@ -144,7 +144,6 @@ class ChatApp(App):
         self.reply: Reply | None = None  # the answer being written
         self.reply_view: ReplyView | None = None
         self.busy = False
-        self._reading = False  # the status says how far a long prompt's reading is
         self.conversation_id = 0
         self._stop = threading.Event()
         self._mlx = MlxThread()  # one thread: one generation at a time on the pair
@@ -225,7 +224,7 @@ class ChatApp(App):
         self.reply = Reply(linger=self.rejected_linger)
         self.reply_view = self.conversation.add_reply(self.reply)
         self._show_progress(self.reply)
-        self.busy, self._reading = True, False
+        self.busy = True
         self._stop = threading.Event()
         self._status("answering… (Esc stops)")
         options = dict(self.options)
@@ -293,14 +292,13 @@ class ChatApp(App):
     def _on_read(self, message: PromptRead) -> None:
         if message.conversation != self.conversation_id or not self.busy:
             return
+        counted = self._reading_bar.display  # the reading was shown: turns came before
         self._reading_bar.show(message.read, message.total)
         if message.read < message.total:
             read = f"{message.read:,} of {message.total:,} ids"
             self._status(f"reading the prompt: {read} (Esc stops)")
-            self._reading = True
-        elif self._reading:  # read in turns: the answer comes next
+        elif counted:  # read in turns: the answer comes next
             self._status("answering… (Esc stops)")
-            self._reading = False
 
     @on(GenerationDone)
     def _on_done(self, message: GenerationDone) -> None:
