@@ -26,7 +26,8 @@ class StatsPanel(Widget):
     """
     BORDER_TITLE = "this answer"
 
-    reply: reactive[Reply | None] = reactive(None, always_update=True, layout=True)
+    # Its rows are fixed: a new round repaints the panel alone (no layout of the screen).
+    reply: reactive[Reply | None] = reactive(None, always_update=True)
 
     def __init__(self, *, timings: bool = True, id: str | None = None) -> None:
         super().__init__(id=id)
