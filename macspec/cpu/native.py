@@ -13,6 +13,8 @@ reported by `macspec doctor`.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
@@ -249,10 +252,26 @@ def _built(cxx: str, threads: int | None) -> ModuleType:
     path = native_dir() / build / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        progress(log, "building its CPU kernels for this machine (once)")
-        _build(cxx, path, arch)
+        # One build at a time: a second process (a test worker, a server beside a chat)
+        # waits for it and loads its result instead of compiling a copy on the same cores.
+        with _locked(path.parent / "build.lock"):
+            if not path.is_file():
+                progress(log, "building its CPU kernels for this machine (once)")
+                _build(cxx, path, arch)
     ext = _load(path)
     if threads:
         ext.set_threads(threads)
     _self_test(ext)
     return ext
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (made if missing) while the block runs; the kernel
+    drops it if the process dies."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
