@@ -105,3 +105,23 @@ def test_hiding_rejected_drafts_draws_the_blocks_again():
             assert "struck" not in view.content.plain
 
     asyncio.run(run())
+
+
+def test_a_hidden_rejected_draft_never_ends_a_block():
+    """With rejected drafts hidden, a block ends at a shown line's end, never at a hidden one's
+    (its crop would take a shown character)."""
+
+    async def run():
+        hidden = Span("struck\n", REJECTED)
+        spans = [Span("x" * (BLOCK_CHARS + 10), DRAFT), hidden, *lines(3)]
+        app = Host(Reply(linger=None))
+        app.view.show_rejected = False
+        async with app.run_test(size=(80, 200)) as pilot:
+            await grow(app, pilot, spans)
+            view = app.view
+            parts = blocks(view)
+            assert parts and parts[0].startswith("x" * (BLOCK_CHARS + 10) + "line 0")
+            tail = str(view._tail.render())  # noqa: SLF001
+            assert "\n".join([*parts, tail]) == view.content.plain
+
+    asyncio.run(run())

@@ -77,6 +77,8 @@ class ReplyView(Widget):
             span = spans[i]
             if span.origin == REJECTED and span.expires is not None:
                 break  # it will go: what follows moves back
+            if span.origin == REJECTED and not self.show_rejected:
+                continue  # not drawn: a block cannot end at its line's end
             size += len(span.text)
             if span.text.endswith("\n") and size >= BLOCK_CHARS:
                 end = i + 1
