@@ -270,7 +270,11 @@ def _locked(path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `path` (made if missing) while the block runs; the kernel
     drops it if the process dies."""
     with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(log, "waiting for another macspec process to build its CPU kernels (once)")
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:

@@ -315,20 +315,26 @@ def test_two_processes_on_a_fresh_cache_build_the_kernels_once(tmp_path):
     env.update(CXX_LOG=str(log))
     env.pop("MACSPEC_NATIVE", None)
     code = (
-        "from macspec.cpu import native; from macspec.cpu.state import STATE; "
-        "native.load(); print(STATE.ext_reason)"
+        "from macspec.base.logs import show; from macspec.cpu import native; "
+        "from macspec.cpu.state import STATE; show(); native.load(); print(STATE.ext_reason)"
     )
     runs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for _ in range(2)
     ]
-    reasons = [run.communicate(timeout=120)[0] for run in runs]
+    said = [run.communicate(timeout=120) for run in runs]
+    reasons = [out.decode() for out, _ in said]
     if any(r.startswith("only built") for r in reasons):
         pytest.skip(f"not built on this machine by design: {reasons[0].strip()}")
     callers = log.read_text().split()
     assert len(set(callers)) == 1  # one process compiled
     assert len(callers) == len(native.SOURCES) + 2  # nanobind, each source, the link
     assert all("could not build" not in r for r in reasons)  # both got past the build
+    notes = sorted(err.decode() for _, err in said)  # each says what it does meanwhile
+    assert "building its CPU kernels" in notes[0] and "waiting for another" not in notes[0]
+    assert "waiting for another macspec process to build its CPU kernels" in notes[1]
 
 
 def test_doctor_says_what_the_policy_would_choose_with_the_passes_it_timed():
