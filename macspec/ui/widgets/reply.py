@@ -22,8 +22,8 @@ class ReplyView(Widget):
     What can no longer change (every span up to a line's end, with no rejected draft still
     lingering among them) goes into blocks that are drawn once; a round repaints only the
     live end (`_Tail`), so a long answer costs each frame what its last lines cost. The screen
-    is laid out again only when the end's height changes (a layout repaints every widget: a
-    third of a core at 15 frames a second, beside the answer; docs/chat.md). Rejected drafts are
+    is laid out again only when the end's height changes: a layout repaints every widget, and on
+    a CPU the drawing shares the cores with the answer (docs/chat.md). Rejected drafts are
     struck through while they linger (`expire()` drops them when their time is up) and hidden
     altogether without `show_rejected`.
     """
