@@ -37,12 +37,11 @@ class ReplyView(Widget):
     }
     """
 
-    reply: reactive[Reply] = reactive(Reply)
     show_rejected: reactive[bool] = reactive(True)
 
     def __init__(self, reply: Reply, *, show_rejected: bool = True) -> None:
         super().__init__(classes="message assistant")
-        self.set_reactive(ReplyView.reply, reply)
+        self.reply = reply  # grows in place: changed() redraws what changed
         self.set_reactive(ReplyView.show_rejected, show_rejected)
         self.writing = True  # rounds may still come
         self.fading = reply.linger is not None  # rejected drafts may still expire
