@@ -4,12 +4,11 @@ engine on tiny random models with a 2,048-id context)."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import io
 import re
 
 import pytest
+from support.aio import aio
 from support.tinymodels import make_tiny_model
 from textual.widgets import ProgressBar
 
@@ -23,14 +22,6 @@ from macspec.ui.widgets import ReadingBar
 
 SIZE = (120, 36)
 LONG = "the quick brown fox jumps over the lazy dog. " * 30  # ~1,350 ids: three turns
-
-
-def aio(test):
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return run
 
 
 @pytest.fixture(scope="module")

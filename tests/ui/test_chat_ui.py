@@ -6,12 +6,11 @@ part of the time, so replies hold accepted drafts, target tokens and rejected dr
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import io
 import re
 
 import pytest
+from support.aio import aio
 from support.tinymodels import make_tiny_model
 
 import macspec
@@ -26,16 +25,6 @@ SIZE = (120, 36)
 # adaptive K follows measured timings; fixed K makes rounds (and so colours) reproducible
 FIXED = {"adaptive": False}
 OPTS40 = {"max_tokens": 40, "seed": 0, **FIXED}
-
-
-def aio(test):
-    """Run an async test on a fresh event loop (no pytest async plugin needed)."""
-
-    @functools.wraps(test)
-    def run(*args, **kwargs):
-        return asyncio.run(test(*args, **kwargs))
-
-    return run
 
 
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
