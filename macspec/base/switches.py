@@ -172,6 +172,14 @@ REPACK = Switch(
     "4-bit weights repacked at load for the int8 products (AVX-512, AVX2; off: MLX's layout)",
     at_import=True,
 )
+FACTOR_SCALES = Switch(
+    "MACSPEC_FACTOR_SCALES",
+    "flag",
+    True,
+    "repacked weights' float32 scales and biases kept as a float per 8 groups times int8 where "
+    "that is exact (a GGUF's K-quants; off: float32 each)",
+    at_import=True,
+)
 NATIVE_LAYERS = Switch(
     "MACSPEC_NATIVE_LAYERS",
     "flag",
@@ -227,6 +235,7 @@ ALL = (
     NATIVE_PRODUCTS,
     INT8_ACTIVATIONS,
     REPACK,
+    FACTOR_SCALES,
     NATIVE_LAYERS,
     NATIVE_BLOCKS,
     DIST_TIMEOUT,

@@ -65,7 +65,7 @@ def quantized_ok(m: nn.Module) -> bool:
         and m.group_size in (32, 64, 128)
         and m.weight.dtype == mx.uint32
         and m.get("biases") is not None
-        and m["scales"].dtype in (mx.float32, mx.float16, mx.bfloat16)
+        and (m["scales"].dtype in (mx.float32, mx.float16, mx.bfloat16) or factored(m))
     )
 
 
@@ -151,6 +151,10 @@ def pack(m: nn.Module) -> None:
     m.scales, m.biases = (
         mx.contiguous(a.reshape(blocks, 16, groups).transpose(0, 2, 1)) for a in (s, b)
     )
+    if STATE.factor_scales and m.scales.dtype == mx.float32:
+        tables = [factor(a, m.bits) for a in (m.scales, m.biases)]
+        if all(t is not None for t in tables):
+            m.scales, m.biases = tables
     mx.eval(m.weight, m.scales, m.biases)
 
 
@@ -158,6 +162,8 @@ def unpack(m: nn.Module) -> None:
     """`m`'s weights back in MLX's layout (a no-op where they are)."""
     if not repacked(m):
         return
+    if factored(m):
+        m.scales, m.biases = (unfactor(a) for a in (m.scales, m.biases))
     blocks, groups, lanes = m.weight.shape
     per = lanes // 16
     w = m.weight.reshape(blocks, groups, per, 16).transpose(0, 3, 1, 2)
@@ -167,6 +173,60 @@ def unpack(m: nn.Module) -> None:
         for a in (m.scales, m.biases)
     )
     mx.eval(m.weight, m.scales, m.biases)
+
+
+# A GGUF's K-quant blocks, kept (models/gguf_blocks.py), give float32 scales and biases that are,
+# 8 groups of 32 at a time (a 256-weight super-block), one float times small integers: Q4_K's
+# d * sc and -dmin * m (6-bit sc, m), Q6_K's d * sc / 4 (int8 sc). Stored so, a repacked group of
+# 32 weights carries 24 bits of them instead of 64; decoding is bandwidth-bound, and on the 1.5B
+# Q4_K_M target they were 386 MB of the 1.37 GB a token reads. Each factored value is checked to
+# the bit (float32(int) * float32 rounds to it exactly), so the kernels compute the same numbers;
+# where any value does not factor, the float32 arrays stay. Layout: csrc/cpu_q4packed.cpp.
+SUPER = 8  # groups a float covers
+# The integer the largest |value| of a super-block is given, likeliest first by bits: Q4_K's
+# largest sc and m are 63 (llama.cpp scales them so), Q6_K's largest |sc| is -128 (its scale is
+# -128 / max); 127 for other int8 scales.
+LARGEST = {4: (63.0, -128.0, 127.0), 8: (-128.0, 127.0, 63.0)}
+
+
+def factor(a: mx.array, bits: int) -> mx.array | None:
+    """Repacked float32 scales or biases (blocks, groups, 16) of `bits`-bit weights as the
+    factored int8 table (blocks, groups + groups / 2, 16), or None where they do not factor
+    exactly. (About a second for the 1.5B target's 386 MB of tables.)"""
+    blocks, groups, lanes = a.shape
+    if groups % SUPER:
+        return None
+    t = a.reshape(blocks, groups // SUPER, SUPER, lanes)  # a float for each (block, super, lane)
+    top = mx.take_along_axis(t, mx.argmax(mx.abs(t), axis=2, keepdims=True), axis=2)
+    d = q = done = None
+    for largest in LARGEST.get(bits, LARGEST[8]):
+        f = top / largest
+        # all zeros: 0 (0 * 0 gives +0, so a -0 there does not factor)
+        i = mx.where(f == 0, 0, mx.clip(mx.round(t / f), -128, 127)).astype(mx.int8)
+        back = (f * i.astype(mx.float32)).view(mx.uint32)
+        exact = mx.all(back == t.view(mx.uint32), axis=2, keepdims=True)
+        if done is None:
+            d, q, done = f, i, exact
+        else:
+            new = exact & ~done
+            d, q, done = mx.where(new, f, d), mx.where(new, i, q), done | exact
+        if mx.all(done).item():
+            floats = d.view(mx.int8).reshape(blocks, groups // 2, lanes)
+            return mx.concatenate([q.reshape(blocks, groups, lanes), floats], axis=1)
+    return None
+
+
+def unfactor(a: mx.array) -> mx.array:
+    """A factored table back as float32 (blocks, groups, 16), the same bits."""
+    blocks, rows, lanes = a.shape
+    groups = rows * 2 // 3
+    q = a[:, :groups].astype(mx.float32)
+    d = mx.contiguous(a[:, groups:]).view(mx.float32).reshape(blocks, groups // SUPER, 1, lanes)
+    return (q.reshape(blocks, groups // SUPER, SUPER, lanes) * d).reshape(blocks, groups, lanes)
+
+
+def factored(m: nn.Module) -> bool:
+    return repacked(m) and m["scales"].dtype == mx.int8
 
 
 # 5- and 6-bit weights (a GGUF's Q5_K kept, an MLX 5/6-bit model) have no kernel of their own:
@@ -239,13 +299,30 @@ def take_rows(m: nn.Module, name: str, ids: mx.array) -> mx.array:
     a = m[name]
     if not (repacked(m) and name in ("weight", "scales", "biases")):
         return mx.take(a, ids, axis=0)
+    ids = ids.astype(mx.uint32)
+    if name != "weight" and factored(m):
+        return _factored_rows(a, ids)
     # Weights [b][g][c * 16 + r] = W[16b + r][words * g + c]; scales [b][g][r] = S[16b + r][g].
     _, groups, width = a.shape
     words = width // 16  # words a group of weights (8 or 4), 1 scale
-    ids = ids.astype(mx.uint32)
     start = (ids // 16) * (groups * width) + ids % 16
     within = (mx.arange(groups)[:, None] * width + mx.arange(words)[None] * 16).reshape(-1)
     return mx.take(a.reshape(-1), start[..., None] + within.astype(mx.uint32))
+
+
+def _factored_rows(a: mx.array, ids: mx.array) -> mx.array:
+    """Rows `ids` (uint32) of a factored table, as float32 (..., groups) in MLX's layout."""
+    _, rows, _ = a.shape
+    groups = rows * 2 // 3
+    flat = a.reshape(-1)
+    block, lane = (ids // 16) * (rows * 16), ids % 16  # in bytes; a block's floats at groups * 16
+    q = mx.take(flat, (block + lane)[..., None] + (mx.arange(groups) * 16).astype(mx.uint32))
+    at = (block + groups * 16) // 4 + lane
+    d = mx.take(
+        flat.view(mx.float32), at[..., None] + (mx.arange(groups // SUPER) * 16).astype(mx.uint32)
+    )
+    q = q.astype(mx.float32).reshape(*ids.shape, groups // SUPER, SUPER)
+    return (q * d[..., None]).reshape(*ids.shape, groups)
 
 
 def quantized_embedding_call(self: nn.QuantizedEmbedding, x: mx.array) -> mx.array:

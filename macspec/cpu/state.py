@@ -52,6 +52,8 @@ class State:
         self.int8_activations = switches.INT8_ACTIVATIONS.value()
         # Off: 4-bit weights stay in MLX's layout, and each pass transposes them on the fly.
         self.repack_weights = switches.REPACK.value()
+        # Off: repacked weights keep float32 scales and biases even where they factor exactly.
+        self.factor_scales = switches.FACTOR_SCALES.value()
         self.overlap = True  # layers start evaluations (kernels.serial turns it off)
         self.compiler_works: bool | None = None  # mx.compile works here; None: not tried yet
         self.told: set[str] = set()  # what was logged once

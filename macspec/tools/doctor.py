@@ -243,7 +243,10 @@ def _layer_products(model: Any, head: Any) -> list[tuple[Any, int]]:
         if m is head:
             continue
         if isinstance(m, nn.QuantizedLinear):
-            found.append((m, m.scales.shape[1] * m.group_size))  # (repacked or not)
+            # groups a row: the scales' (N, groups), or repacked weights' (N / 16, groups, ...)
+            # (repacked scales may be factored, with more rows: cpu/products.py)
+            groups = m.weight.shape[1] if m.weight.ndim == 3 else m.scales.shape[1]
+            found.append((m, groups * m.group_size))
         elif isinstance(m, nn.Linear):
             found.append((m, m.weight.shape[1]))
     return found

@@ -27,6 +27,7 @@ TESTS = [
         "tests/cpu/test_blocks_quantized.py",
     ),
     "tests/cpu/test_repack.py",
+    "tests/cpu/test_factored_scales.py",
 ]
 
 

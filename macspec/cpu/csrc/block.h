@@ -41,7 +41,9 @@ inline int cols(const std::vector<mx::array>& in, size_t i, const Mats& m) {
   if (m.bits == 32) {
     return matrix_cols(in[i], 32);
   }
-  return in[i + 1].shape(1) * m.group;  // scales (N, groups) or (N / 16, groups, 16)
+  // groups: repacked weights' (N / 16, groups, ...), else the scales' (N, groups) (repacked
+  // scales factored have more rows: cpu_q4packed.cpp)
+  return (in[i].ndim() == 3 ? in[i].shape(1) : in[i + 1].shape(1)) * m.group;
 }
 
 // Bits of the matrix whose arrays start at in[i] (0 where its shapes hold no whole number).

@@ -303,9 +303,16 @@ inline int matrix_cols(const mx::array& w, int bits) {
 }
 
 // Weights and scales (or biases) in the shapes cpu_q4packed.cpp's repacking gives them.
+// Scales (and biases) factored (int8; cpu_q4packed.cpp) take half as many rows again a block.
 inline bool packed_shapes(const mx::array& w, const mx::array& scales) {
-  return w.ndim() == 3 && (w.shape(2) == 64 || w.shape(2) == 128 || w.shape(2) == 256) &&
-         scales.shape() == mx::Shape{w.shape(0), w.shape(1), 16};
+  if (w.ndim() != 3 || !(w.shape(2) == 64 || w.shape(2) == 128 || w.shape(2) == 256)) {
+    return false;
+  }
+  const int groups = w.shape(1);
+  if (scales.dtype() == mx::int8) {
+    return groups % 8 == 0 && scales.shape() == mx::Shape{w.shape(0), groups + groups / 2, 16};
+  }
+  return scales.shape() == mx::Shape{w.shape(0), groups, 16};
 }
 
 // The stream every macspec primitive runs on.

@@ -166,7 +166,7 @@ int check_matrix(const std::vector<mx::array>& m, const Mats& w, int N, int K, c
   } else if (a.dtype() != mx::uint32 || m[1].ndim() != a.ndim() || m[2].shape() != m[1].shape() ||
              m[2].dtype() != m[1].dtype() ||
              !(m[1].dtype() == mx::float32 || m[1].dtype() == mx::float16 ||
-               m[1].dtype() == mx::bfloat16)) {
+               m[1].dtype() == mx::bfloat16 || (m[1].dtype() == mx::int8 && a.ndim() == 3))) {
     throw refused(what, ": uint32 weights, and scales and biases of one type and shape");
   }
   const int bits = bits_of(m, 0, w);

@@ -190,6 +190,11 @@ void q_float_products(const QProduct* ps, int count) {
     N[j] = ps[j].N;
     row_bytes[j] = ps[j].K * ps[j].bits / 8;
   }
+  for (int j = 0; j < count; j++) {  // factored tables come only with repacked weights
+    if (ps[j].type == ScaleType::i8 || ps[j].packed) {
+      throw std::invalid_argument("[macspec] float products of repacked weights");
+    }
+  }
   run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
     const float *xq = xqs[from[j]].data(), *xs = xss[from[j]].data();
     switch (ps[j].type) {

@@ -339,6 +339,7 @@ void q_int8_products(const QProduct* ps, int count) {
     switch (ps[j].type) {
       case ScaleType::f32: q8_chunk_bits<ScaleType::f32>(ps[j], *xq[j], n0, n1); break;
       case ScaleType::f16: q8_chunk_bits<ScaleType::f16>(ps[j], *xq[j], n0, n1); break;
+      case ScaleType::i8: q4_packed_chunk<ScaleType::i8>(ps[j], *xq[j], n0, n1); break;
       default: q8_chunk_bits<ScaleType::bf16>(ps[j], *xq[j], n0, n1); break;
     }
   });

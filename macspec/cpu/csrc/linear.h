@@ -21,6 +21,9 @@ inline ScaleType scale_type(mlx::core::Dtype dtype) {
   if (dtype == mlx::core::bfloat16) {
     return ScaleType::bf16;
   }
+  if (dtype == mlx::core::int8) {  // factored, repacked weights only (packed_shapes)
+    return ScaleType::i8;
+  }
   throw std::invalid_argument("[macspec] scales of float32, float16 or bfloat16");
 }
 

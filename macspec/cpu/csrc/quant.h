@@ -13,7 +13,8 @@
 
 namespace macspec {
 
-enum class ScaleType { f32, f16, bf16 };
+// i8: repacked weights' float32 scales (or biases) stored factored, exactly (cpu_q4packed.cpp).
+enum class ScaleType { f32, f16, bf16, i8 };
 
 // y (M, N) = x (M, K) @ dequantize(W).T; W packed as MLX packs it (uint32 words, little-endian),
 // scales and biases (N, K / group) of one type.
@@ -93,7 +94,9 @@ template <ScaleType T>
 using scale_elem = std::conditional_t<
     T == ScaleType::f32,
     float,
-    std::conditional_t<T == ScaleType::f16, f16_bits, bf16_bits>>;
+    std::conditional_t<T == ScaleType::i8,
+                       int8_t,
+                       std::conditional_t<T == ScaleType::f16, f16_bits, bf16_bits>>>;
 
 // Element i of a scale or bias array as float32.
 template <ScaleType T>
