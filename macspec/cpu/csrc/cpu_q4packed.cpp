@@ -21,6 +21,7 @@
 //   32 instead of two 32-bit floats: the 1.5B Q4_K_M target reads 1.13 GB a token instead of 1.37.
 
 #include <algorithm>
+#include <vector>
 
 #include "common.h"
 #include "qint8.h"
@@ -141,13 +142,11 @@ inline void group_sums(const uint32_t* w, const int32_t* x, int M, vi* sum) {
 // Rows [m0, m0 + MR) of y's block b (16 rows at 16b) for x's rows of the same numbers, weights
 // of BITS bits, WG words a group.
 template <int BITS, int WG, ScaleType T, int MR>
-void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
-  using E = scale_elem<T>;
+void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, const scale_elem<T>* s,
+                const scale_elem<T>* bs) {
   constexpr int XG = 8 * WG / BITS;  // x's dwords a group
   const int groups = p.K / (4 * XG), M = xq.M;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
-  const E* s = block_table<T>(p.scales, b, groups);
-  const E* bs = block_table<T>(p.biases, b, groups);
   vf facc[MR];
   for (int m = 0; m < MR; m++) {
     facc[m] = {_mm512_setzero_ps()};
@@ -173,22 +172,24 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0) {
 
 }  // namespace
 
+constexpr int PASS_ROWS = MR_MAX;  // rows of x a pass over a block takes
+
+// Every pass over block b, with its tables s and bs.
 template <ScaleType T>
-void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  for (int b = n0 / 16; b < n1 / 16; b++) {
-    for (int m0 = 0; m0 < p.M; m0 += MR_MAX) {
-      with_rows<MR_MAX>(std::min(MR_MAX, p.M - m0), [&]<int MR>() {
-        if (p.bits == 8 && p.group == 32) {
-          block_rows<8, 8, T, MR>(p, xq, b, m0);
-        } else if (p.bits == 8) {
-          block_rows<8, 16, T, MR>(p, xq, b, m0);
-        } else if (p.group == 32) {
-          block_rows<4, 4, T, MR>(p, xq, b, m0);
-        } else {
-          block_rows<4, 8, T, MR>(p, xq, b, m0);
-        }
-      });
-    }
+void block_passes(const QProduct& p, const QuantizedX& xq, int b, const scale_elem<T>* s,
+                  const scale_elem<T>* bs) {
+  for (int m0 = 0; m0 < p.M; m0 += MR_MAX) {
+    with_rows<MR_MAX>(std::min(MR_MAX, p.M - m0), [&]<int MR>() {
+      if (p.bits == 8 && p.group == 32) {
+        block_rows<8, 8, T, MR>(p, xq, b, m0, s, bs);
+      } else if (p.bits == 8) {
+        block_rows<8, 16, T, MR>(p, xq, b, m0, s, bs);
+      } else if (p.group == 32) {
+        block_rows<4, 4, T, MR>(p, xq, b, m0, s, bs);
+      } else {
+        block_rows<4, 8, T, MR>(p, xq, b, m0, s, bs);
+      }
+    });
   }
 }
 
@@ -272,12 +273,10 @@ inline void group_rows(const uint32_t* w, const int32_t* x, int M, __m256i (*acc
 
 // Rows [m0, m0 + mc) (mc <= MSUPER) of y's block b for x's rows of the same numbers.
 template <int WG, ScaleType T>
-void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) {
-  using E = scale_elem<T>;
+void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc,
+                const scale_elem<T>* s, const scale_elem<T>* bs) {
   const int groups = p.K / (8 * WG), M = xq.M;
   const uint32_t* w = reinterpret_cast<const uint32_t*>(p.W) + (size_t)b * groups * WG * 16;
-  const E* s = block_table<T>(p.scales, b, groups);
-  const E* bs = block_table<T>(p.biases, b, groups);
   alignas(32) float facc[MSUPER * 16] = {};
   for (int g = 0; g < groups; g++, w += WG * 16) {
     prefetch_ahead<WG>(w, s, bs, g);
@@ -301,20 +300,45 @@ void block_rows(const QProduct& p, const QuantizedX& xq, int b, int m0, int mc) 
 
 }  // namespace
 
+constexpr int PASS_ROWS = MSUPER;
+
 template <ScaleType T>
-void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
-  for (int b = n0 / 16; b < n1 / 16; b++) {
-    for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
-      if (p.group == 32) {
-        block_rows<4, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
-      } else {
-        block_rows<8, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0));
-      }
+void block_passes(const QProduct& p, const QuantizedX& xq, int b, const scale_elem<T>* s,
+                  const scale_elem<T>* bs) {
+  for (int m0 = 0; m0 < p.M; m0 += MSUPER) {
+    if (p.group == 32) {
+      block_rows<4, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0), s, bs);
+    } else {
+      block_rows<8, T>(p, xq, b, m0, std::min(MSUPER, p.M - m0), s, bs);
     }
   }
 }
 
 #endif
+
+template <ScaleType T>
+void q4_packed_chunk(const QProduct& p, const QuantizedX& xq, int n0, int n1) {
+  const int groups = p.K / p.group;
+  for (int b = n0 / 16; b < n1 / 16; b++) {
+    const scale_elem<T>* s = block_table<T>(p.scales, b, groups);
+    const scale_elem<T>* bs = block_table<T>(p.biases, b, groups);
+    if constexpr (T == ScaleType::i8) {
+      if (p.M > PASS_ROWS) {  // several passes over the block (a prompt's chunk): each would
+        // multiply out the same tables, about 5% of a prefill; so once, into floats
+        thread_local std::vector<float> room;
+        room.resize((size_t)groups * 32 + 16);
+        float* f = room.data() + (16 - reinterpret_cast<uintptr_t>(room.data()) / 4 % 16) % 16;
+        for (int g = 0; g < groups; g++) {  // (storef: 64-byte aligned)
+          storef(f + g * 16, group_table<T>(s, g, groups));
+          storef(f + (groups + g) * 16, group_table<T>(bs, g, groups));
+        }
+        block_passes<ScaleType::f32>(p, xq, b, f, f + groups * 16);
+        continue;
+      }
+    }
+    block_passes<T>(p, xq, b, s, bs);
+  }
+}
 
 template void q4_packed_chunk<ScaleType::f32>(const QProduct&, const QuantizedX&, int, int);
 template void q4_packed_chunk<ScaleType::f16>(const QProduct&, const QuantizedX&, int, int);
