@@ -186,6 +186,12 @@ def test_summarise_exact_numbers():
     assert spec["mean_accepted_length"] == 2.0  # (10 accepted + 10 rounds) / 10 rounds
     assert spec["per_position_acceptance"] == [0.5, 0.5]
     assert spec["weight_read_gbs"] == pytest.approx(10 * 1000 / 1e9)  # 10 passes/s x 1000 B
+    # llama.cpp's rows read its GGUF file's bytes, not the target's; unknown: no figure
+    peer = [rec("llamacpp_plain", "llama.cpp plain", 0, 10, 1.0)]
+    row = summarise(peer, 1000, 1.0, other_bytes={"llamacpp_plain": 600})[0]
+    assert row["weight_read_gbs"] == pytest.approx(10 * 600 / 1e9)
+    row = summarise(peer, 1000, 1.0, other_bytes={"llamacpp_plain": None})[0]
+    assert row["weight_read_gbs"] == 0.0 and row["bandwidth_fraction"] is None
 
 
 def test_builtin_prompts_cover_every_kind():

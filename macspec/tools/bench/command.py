@@ -14,6 +14,7 @@ first target pass, over the wall time after it (prefill and the first pass are e
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -190,10 +191,13 @@ def _result(
     settings: dict[str, Any],
 ) -> dict[str, Any]:
     weight_bytes = nbytes(pairs["model"].target)
+    # llama.cpp reads its own file's weights, not macspec's
+    gguf = settings.get("llamacpp", {}).get("gguf")
+    other = dict.fromkeys(LLAMACPP, os.path.getsize(gguf) if gguf else None)
     return {
         "meta": _meta(pairs, bandwidth, weight_bytes, settings, encoded, plan),
         "skipped": skipped,
-        "summary": summarise(records, weight_bytes, bandwidth["best"], baseline(plan)),
+        "summary": summarise(records, weight_bytes, bandwidth["best"], baseline(plan), other),
         "runs": [asdict(r) for r in records],
     }
 

@@ -120,14 +120,21 @@ def summarise(
     weight_bytes: int,
     bandwidth_gbs: float,
     baseline: str | None = "mlx_lm",
+    other_bytes: dict[str, int | None] | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (temperature, method, kind), kind "all" included; speedup and round cost
-    against the `baseline` method (None: no speedups)."""
+    against the `baseline` method (None: no speedups). A row's weights read a second count the
+    target's `weight_bytes`, or for a method in `other_bytes` its own (llama.cpp's rows: the
+    GGUF file's; None: unknown)."""
+    other = other_bytes or {}
     groups: dict[tuple, list[RunRecord]] = {}
     for r in records:
         for kind in (r.kind, "all"):
             groups.setdefault((r.temperature, r.label, kind), []).append(r)
-    rows = [_row(*key, recs, weight_bytes, bandwidth_gbs) for key, recs in groups.items()]
+    rows = [
+        _row(*key, recs, other.get(recs[0].method, weight_bytes), bandwidth_gbs)
+        for key, recs in groups.items()
+    ]
     _against_baseline(rows, baseline)
     order = {label: i for i, label in enumerate(dict.fromkeys(rec.label for rec in records))}
     kinds = {k: i for i, k in enumerate([*KINDS, "all"])}
@@ -179,14 +186,15 @@ def _row(
     label: str,
     kind: str,
     recs: list[RunRecord],
-    weight_bytes: int,
+    weight_bytes: int | None,
     bandwidth_gbs: float,
 ) -> dict[str, Any]:
     tok_s = _per_repeat(recs, lambda r: r.decode_tokens)
     passes_s = _per_repeat(recs, lambda r: r.passes)
     first = recs[0]
     passes = sum(r.passes for r in recs)  # 0: unknown (llama.cpp's speculative rows)
-    weight_gbs = statistics.median(passes_s) * weight_bytes / 1e9 if passes_s else 0.0
+    known = passes_s and weight_bytes
+    weight_gbs = statistics.median(passes_s) * weight_bytes / 1e9 if known else 0.0
     return {
         "temperature": temp,
         "method": first.method,
