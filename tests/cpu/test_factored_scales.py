@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from support.tinymodels import llama_like
 from test_products_int8 import _q8, reference
-from test_repack import Stack, _packs
+from test_repack import Stack, _packs, runs_as_mlx_layout
 
-from macspec.core import hooks, target
-from macspec.core.drafters import pruned
+from macspec.core import target
 from macspec.cpu import kernels, native, products
 from macspec.cpu.state import STATE
 
@@ -128,25 +127,7 @@ def test_a_factored_model_runs_looks_up_and_prunes_as_the_float32_one(tie, monke
     head, _ = target.head_module(packed)
     assert products.factored(head) and products.factored(packed.model.layers[0].mlp.down_proj)
     assert not products.factored(target.head_module(flat)[0])
-    tokens = mx.array([[5, 9, 2, 40, 95, 0]])
-    np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
-    embed = (flat.model.embed_tokens, packed.model.embed_tokens)
-    np.testing.assert_array_equal(*(np.array(e(tokens)) for e in embed))
-    ids = pruned.frequent_ids(20, 96, keep=[93, 95])
-    for name in ("weight", "scales", "biases"):  # MLX's layout, whatever the head's own
-        np.testing.assert_array_equal(
-            *(
-                np.array(hooks.take_rows(target.head_module(m)[0], name, ids))
-                for m in (flat, packed)
-            )
-        )
-    hidden = target.hidden_states(flat, tokens[0], None)
-    np.testing.assert_array_equal(
-        *(np.array(pruned.PrunedHead(m, ids, 96)(hidden)) for m in (flat, packed))
-    )
-    with kernels.stock(packed, flat):  # mlx's own products, reading MLX's layout
-        assert not products.repacked(head)
-        np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
+    runs_as_mlx_layout(flat, packed)
     assert products.factored(head)
 
 

@@ -153,11 +153,11 @@ def _tiny_pair(tie: bool, repack: bool, monkeypatch) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_the_output_head_is_repacked_and_its_rows_and_lookups_stay_mlxs(tie, monkeypatch):
-    flat, packed = (_tiny_pair(tie, repack, monkeypatch) for repack in (False, True))
+def runs_as_mlx_layout(flat: nn.Module, packed: nn.Module) -> None:
+    """`packed` (a 96-id model with its products repacked) gives `flat`'s bits: whole passes,
+    embedding lookups, its head's rows (MLX's layout) and a pruned head, and through the stock
+    models, which read MLX's layout."""
     head, _ = target.head_module(packed)
-    assert products.repacked(head) and not products.repacked(target.head_module(flat)[0])
     tokens = mx.array([[5, 9, 2, 40, 95, 0]])
     np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
     embed = (flat.model.embed_tokens, packed.model.embed_tokens)
@@ -177,6 +177,14 @@ def test_the_output_head_is_repacked_and_its_rows_and_lookups_stay_mlxs(tie, mon
     with kernels.stock(packed, flat):  # mlx's own products, reading MLX's layout
         assert not products.repacked(head)
         np.testing.assert_array_equal(np.array(packed(tokens)), np.array(flat(tokens)))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_the_output_head_is_repacked_and_its_rows_and_lookups_stay_mlxs(tie, monkeypatch):
+    flat, packed = (_tiny_pair(tie, repack, monkeypatch) for repack in (False, True))
+    head, _ = target.head_module(packed)
+    assert products.repacked(head) and not products.repacked(target.head_module(flat)[0])
+    runs_as_mlx_layout(flat, packed)
     assert products.repacked(head)
 
 

@@ -173,7 +173,7 @@ static void prepare_x(const QProduct& p, std::vector<float>& xq, std::vector<flo
 
 void q_float_products(const QProduct* ps, int count) {
   for (int j = 0; j < count; j++) {
-    if (ps[j].packed) {
+    if (ps[j].packed || ps[j].type == ScaleType::i8) {  // (factored tables: repacked only)
       throw std::invalid_argument("[macspec products] repacked weights take int8 products only");
     }
   }
@@ -189,11 +189,6 @@ void q_float_products(const QProduct* ps, int count) {
     }
     N[j] = ps[j].N;
     row_bytes[j] = ps[j].K * ps[j].bits / 8;
-  }
-  for (int j = 0; j < count; j++) {  // factored tables come only with repacked weights
-    if (ps[j].type == ScaleType::i8 || ps[j].packed) {
-      throw std::invalid_argument("[macspec] float products of repacked weights");
-    }
   }
   run_joined(N, row_bytes, count, [&](int j, int n0, int n1) {
     const float *xq = xqs[from[j]].data(), *xs = xss[from[j]].data();
