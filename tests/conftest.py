@@ -54,6 +54,18 @@ def small_pair(tmp_path_factory):
 
 
 @pytest.fixture
+def float32_kv(monkeypatch):
+    """The CPU layers' KV caches in float32 (MACSPEC_KV_CACHE=float32): for tests that hold the
+    kernels to mlx-lm's own numbers, which keep float32 caches (tests/cpu/test_kv_half.py holds
+    the float16 caches, the default, to those)."""
+    import mlx.core as mx
+
+    from macspec.cpu.state import STATE
+
+    monkeypatch.setattr(STATE, "kv_dtype", mx.float32)
+
+
+@pytest.fixture
 def native_calls(monkeypatch):
     """Counts the native layer primitives the switched layers call, by name."""
     from collections import Counter

@@ -180,6 +180,15 @@ FACTOR_SCALES = Switch(
     "that is exact (a GGUF's K-quants; off: float32 each)",
     at_import=True,
 )
+KV_CACHE = Switch(
+    "MACSPEC_KV_CACHE",
+    "choice",
+    "float16",
+    "what the CPU layers' KV caches hold: float16 (llama.cpp's default; half the bytes every "
+    "decoding step reads at a long context) or float32",
+    choices=("float16", "float32"),
+    at_import=True,
+)
 NATIVE_LAYERS = Switch(
     "MACSPEC_NATIVE_LAYERS",
     "flag",
@@ -236,6 +245,7 @@ ALL = (
     INT8_ACTIVATIONS,
     REPACK,
     FACTOR_SCALES,
+    KV_CACHE,
     NATIVE_LAYERS,
     NATIVE_BLOCKS,
     DIST_TIMEOUT,

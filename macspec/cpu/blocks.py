@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import products
-from .state import STATE
+from .state import STATE, kv_rows
 
 log = logging.getLogger("macspec.cpu")
 
@@ -151,6 +151,7 @@ def block_pass(
     if weights is None:
         return None
     q, k, v = qkv_rope(layer, ext, table, offset, tree, x, weights)
+    k, v = kv_rows(k, v)  # with a cache or without: every pass reads the same values
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     w2, wg, wu, wd, (bits, group) = weights[6:]

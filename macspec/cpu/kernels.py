@@ -29,7 +29,7 @@ import numpy as np
 
 from . import blocks, native, products
 from .products import on_cpu
-from .state import STATE
+from .state import STATE, kv_rows
 
 log = logging.getLogger("macspec.cpu")
 
@@ -238,6 +238,7 @@ def _native_attention(
         rope.traditional,
         positions,
     )
+    k, v = kv_rows(k, v)  # with a cache or without: every pass reads the same values
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     if tree is not None:
@@ -289,7 +290,13 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
         q, k = table.pair(q, k, offset)
     else:  # a scaled RoPE variant, or per-sequence offsets: mlx-lm's own module
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-    if cache is not None:
+    if not hasattr(cache, "bits"):
+        # the values every pass of this model reads (stored so), then as the queries' floats
+        k, v = kv_rows(k, v)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    else:  # a quantized cache: mlx-lm's own
         k, v = cache.update_and_fetch(k, v)
     if (mask is None or isinstance(mask, str)) and not hasattr(cache, "bits"):
         out = attention(q, k, v, self.scale, "causal" if mask is not None else None)

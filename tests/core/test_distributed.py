@@ -103,9 +103,10 @@ def test_greedy_equals_single_process_target_only(greedy_run, sharded_dirs):
 
 
 @pytest.mark.subprocess
-def test_caches_identical_across_ranks_after_rejections(greedy_run, sharded_dirs):
+def test_caches_identical_across_ranks_after_rejections(greedy_run, sharded_dirs, float32_kv):
     """Every rank rewound to the same length, and the shards together hold exactly the cache
-    that one process decoding the same tokens holds (each rank has 6/n of the KV heads)."""
+    that one process decoding the same tokens holds (each rank has 6/n of the KV heads; a
+    sharded target runs mlx-lm's layers, with float32 caches)."""
     n, out, result = greedy_run
     caches = [np.load(out / f"cache_{r}.npz") for r in range(n)]
     offset = result["offset"]

@@ -16,9 +16,10 @@ from macspec.cpu import blocks, kernels, native
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(
-    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
-)
+pytestmark = [
+    pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"),
+    pytest.mark.usefixtures("float32_kv"),  # held to mlx-lm's float32 caches
+]
 
 CHUNKS = [[3, 9, 27, 17], [5], [40, 2, 33], [60, 1] * 12, [7], [8, 9]]  # [60, 1] * 12: 24 rows
 

@@ -20,9 +20,10 @@ from macspec.cpu import kernels, native, products
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(
-    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
-)
+pytestmark = [
+    pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"),
+    pytest.mark.usefixtures("float32_kv"),  # held to mlx-lm's float32 caches
+]
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4}
 PROMPT = [3, 9, 27, 17, 5, 40, 2]

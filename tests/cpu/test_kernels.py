@@ -16,6 +16,8 @@ from support.tinymodels import chunk_logits, llama_like
 from macspec.cpu import kernels
 from macspec.cpu.state import STATE
 
+pytestmark = pytest.mark.usefixtures("float32_kv")  # held to mlx-lm's float32 caches
+
 CHUNKS = [[3, 9, 27, 17, 51, 25, 11], [5], [40, 2, 33, 8], [13], [60, 1]]
 
 

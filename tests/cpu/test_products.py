@@ -18,9 +18,10 @@ from macspec.cpu import kernels, native, products
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(
-    ext is None, reason=f"native products unavailable: {STATE.ext_reason}"
-)
+pytestmark = [
+    pytest.mark.skipif(ext is None, reason=f"native products unavailable: {STATE.ext_reason}"),
+    pytest.mark.usefixtures("float32_kv"),  # held to mlx-lm's float32 caches
+]
 
 
 def _normal(shape, seed):

@@ -262,18 +262,60 @@ static void weigh_keys(const float* const* p, const float* vb, size_t vt, int t0
 
 // ---------------------------------------------------------------- attention
 
-// x (1, heads, T, D) read where it lies when each row of D is contiguous (a KV cache's view),
-// else copied; `head` and `row` get the strides between heads and between rows.
-static const float* in_place(const mx::array& x, std::vector<float>& scratch, size_t& head,
-                             size_t& row) {
+// Keys or values (1, heads, T, D): float32 or float16 (a cache kept at half the bytes), read
+// where they lie when each row of D is contiguous (a KV cache's view), else copied; `head` and
+// `row` are the strides between heads and between rows.
+struct KV {
+  const float* f = nullptr;     // float32 rows
+  const uint16_t* h = nullptr;  // float16 rows (IEEE half bits), widened a piece at a time
+  size_t head = 0, row = 0;
+};
+
+static KV in_place(const mx::array& x, std::vector<float>& scratch,
+                   std::vector<uint16_t>& halves) {
+  KV kv;
+  const bool half = x.dtype() == mx::float16;
   if (x.strides()[3] == 1 || x.shape(3) == 1) {
-    head = x.strides()[1];
-    row = x.strides()[2];
-    return x.data<float>();
+    kv.head = x.strides()[1];
+    kv.row = x.strides()[2];
+    if (half) {
+      kv.h = reinterpret_cast<const uint16_t*>(x.data<mx::float16_t>());
+    } else {
+      kv.f = x.data<float>();
+    }
+    return kv;
   }
-  head = (size_t)x.shape(2) * x.shape(3);
-  row = x.shape(3);
-  return rows_of(x, scratch);
+  kv.head = (size_t)x.shape(2) * x.shape(3);
+  kv.row = x.shape(3);
+  if (!half) {
+    kv.f = rows_of(x, scratch);
+    return kv;
+  }
+  halves.resize(x.size());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data<mx::float16_t>());
+  for (size_t i = 0; i < x.size(); i++) {
+    halves[i] = src[mx::elem_to_loc(static_cast<int>(i), x)];
+  }
+  kv.h = halves.data();
+  return kv;
+}
+
+// Rows t0 <= t < t1 of float16 keys or values (stride `row`) as float32 rows of D in `out`:
+// each half widened exactly (F16C), so attention sums the same floats whatever reads them.
+static const float* widen(const KV& kv, size_t at, int n, int D, std::vector<float>& out) {
+  out.resize((size_t)n * D);
+  for (int t = 0; t < n; t++) {
+    const uint16_t* src = kv.h + at + (size_t)t * kv.row;
+    float* dst = out.data() + (size_t)t * D;
+    int d = 0;
+    for (; d + 8 <= D; d += 8) {
+      store8(dst + d, (f8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + d))));
+    }
+    for (; d < D; d++) {
+      dst[d] = _cvtsh_ss(src[d]);
+    }
+  }
+  return out.data();
 }
 
 // Keys per piece of attention work. Pieces start at fixed positions (0, KEYS, 2 KEYS, ...),
@@ -339,11 +381,10 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
                        float* y) {
   const int KVH = k.shape(1), rep = H / KVH;
   std::vector<float> ks, vs;
+  std::vector<uint16_t> kh16, vh16;
   // The cache's keys and values are read in place (a view of its buffer, rows of D in
   // order); any other layout is copied first.
-  size_t kh, kt, vh, vt;
-  const float* kp = in_place(k, ks, kh, kt);
-  const float* vp = in_place(v, vs, vh, vt);
+  const KV kk = in_place(k, ks, kh16), vv = in_place(v, vs, vh16);
   const int pieces = (T + KEYS - 1) / KEYS;
   const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
   std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
@@ -353,8 +394,15 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
   auto piece = [&](int task) {
     const int c = task % pieces, b = (task / pieces) % blocks, g = task / (pieces * blocks);
     const int t0 = c * KEYS;
-    const float* kb = kp + (size_t)g * kh + (size_t)t0 * kt;
-    const float* vb = vp + (size_t)g * vh + (size_t)t0 * vt;
+    // A float16 cache's piece is widened once for all the task's rows and query heads: the
+    // half-sized read is what decoding at a long context waits for, the widening is not.
+    thread_local std::vector<float> wk, wv;
+    const int m = std::min(T, t0 + KEYS) - t0;  // the piece's keys any row may see
+    const size_t ka = (size_t)g * kk.head + (size_t)t0 * kk.row;
+    const size_t va = (size_t)g * vv.head + (size_t)t0 * vv.row;
+    const float* kb = kk.h ? widen(kk, ka, m, D, wk) : kk.f + ka;
+    const float* vb = vv.h ? widen(vv, va, m, D, wv) : vv.f + va;
+    const size_t kt = kk.h ? D : kk.row, vt = vv.h ? D : vv.row;
     thread_local std::vector<float> scores;
     const float by = scale;  // a copy the compiler keeps in a register (stores to scores may alias)
     for (int i = b * per_block; i < std::min(L, (b + 1) * per_block); i++) {
@@ -509,9 +557,9 @@ mx::array attend(
     float scale,
     bool causal,
     std::optional<mx::array> mask) {
-  for (auto* a : {&q, &k, &v}) {
-    check_float32(*a, "q, k and v");
-  }
+  check_float32(q, "q");
+  check_kv(k, "k");
+  check_kv(v, "v");
   if (q.ndim() != 4 || k.ndim() != 4 || q.shape(0) != 1 || k.shape() != v.shape() ||
       k.shape(0) != 1 || q.shape(3) != k.shape(3) || k.shape(1) <= 0 ||
       q.shape(1) % k.shape(1) || k.shape(2) < q.shape(2)) {

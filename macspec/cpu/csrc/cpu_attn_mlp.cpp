@@ -176,9 +176,11 @@ mx::array attn_mlp(
     int group_size,
     bool int8) {
   const Mats w = layout(bits, group_size, int8);
-  for (auto* a : {&h, &q, &k, &v, &norm}) {
-    check_float32(*a, "h, q, k, v and norm weight");
+  for (auto* a : {&h, &q, &norm}) {
+    check_float32(*a, "h, q and norm weight");
   }
+  check_kv(k, "k");
+  check_kv(v, "v");
   if (h.ndim() != 3 || h.shape(0) != 1 || q.ndim() != 4 || k.ndim() != 4 ||
       k.shape() != v.shape() || q.shape(2) != h.shape(1) || q.shape(3) != k.shape(3) ||
       k.shape(1) <= 0 || q.shape(1) % k.shape(1) || k.shape(2) < q.shape(2)) {
@@ -229,8 +231,8 @@ mx::array rows_attn_mlp(
   }
   for (int r = 0; r < R; r++) {
     const auto &k = keys[r], &v = values[r];
-    check_float32(k, "k");
-    check_float32(v, "v");
+    check_kv(k, "k");
+    check_kv(v, "v");
     if (k.ndim() != 4 || k.shape() != v.shape() || k.shape(3) != q.shape(3) || k.shape(1) <= 0 ||
         q.shape(1) % k.shape(1) || lengths[r] < h.shape(1) / R || k.shape(2) < lengths[r]) {
       throw std::invalid_argument(

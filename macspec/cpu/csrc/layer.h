@@ -101,6 +101,14 @@ inline void check_float32(const mx::array& a, const char* what) {
   }
 }
 
+// A KV cache's keys or values: float32, or float16 where the cache is kept at half the bytes
+// (switches.KV_CACHE): attention widens each piece of them to float32 once for all its rows.
+inline void check_kv(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16) {
+    throw std::invalid_argument(std::string("[macspec] float32 or float16 ") + what);
+  }
+}
+
 // Registers the primitive's arrays with MLX's CPU stream and allocates its outputs.
 inline mx::cpu::CommandEncoder& start(
     const mx::Stream& s,
@@ -128,7 +136,7 @@ void rope_rows(const float* q, const float* k, const float* v, const float* cos,
 void attend_rows(const mx::array& q, const mx::array& k, const mx::array& v, const bool* mask,
                  float scale, bool causal, float* y);
 // The same for the query rows q0..q0+L of qp (H, Lq, D) (one row's ids of a shared pass's block)
-// over the first T keys and values of k, v (a cache's whole buffer).
+// over the first T keys and values of k, v (a cache's whole buffer; float32 or float16).
 void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, const mx::array& k,
                        const mx::array& v, int T, const bool* mask, float scale, bool causal,
                        float* y);
