@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import products
-from .state import STATE, kv_rows
+from .state import STATE
 
 log = logging.getLogger("macspec.cpu")
 
@@ -151,7 +151,6 @@ def block_pass(
     if weights is None:
         return None
     q, k, v = qkv_rope(layer, ext, table, offset, tree, x, weights)
-    k, v = kv_rows(k, v)  # with a cache or without: every pass reads the same values
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     w2, wg, wu, wd, (bits, group) = weights[6:]
@@ -175,5 +174,5 @@ def qkv_rope(
     return ext.qkv_rope(
         x, w1, layer["input_layernorm"].eps, wq, wk, wv, cos, sin, attn.n_heads,
         attn.n_kv_heads, offset, table.traditional, biases, positions, bits, group,
-        STATE.int8_activations,
+        STATE.int8_activations, STATE.kv_dtype == mx.float16,
     )  # fmt: skip

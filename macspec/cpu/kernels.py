@@ -237,8 +237,8 @@ def _native_attention(
         offset,
         rope.traditional,
         positions,
+        STATE.kv_dtype == mx.float16,  # k and v as the caches keep them (state.kv_rows)
     )
-    k, v = kv_rows(k, v)  # with a cache or without: every pass reads the same values
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     if tree is not None:

@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import blocks, kernels, products
-from .state import STATE, kv_rows
+from .state import STATE
 
 
 def _case(layer: nn.Module, x: mx.array, caches: list) -> tuple | None:
@@ -74,7 +74,7 @@ def rows_layer(layer: nn.Module, x: mx.array, caches: list) -> Any:
     for r, cache in enumerate(caches):
         part = slice(r * width, (r + 1) * width)
         # The views it returns are never evaluated: the primitive reads the buffers in place.
-        cache.update_and_fetch(*kv_rows(k[:, :, part], v[:, :, part]))
+        cache.update_and_fetch(k[:, :, part], v[:, :, part])
     keys, values = [c.keys for c in caches], [c.values for c in caches]
     lengths = [c.offset for c in caches]
     wo, norm, wg, wu, wd, (bits, group) = weights[5:]

@@ -54,7 +54,7 @@ class State:
         self.repack_weights = switches.REPACK.value()
         # Off: repacked weights keep float32 scales and biases even where they factor exactly.
         self.factor_scales = switches.FACTOR_SCALES.value()
-        # What the accelerated layers' KV caches hold (kernels.kv_rows): float16 halves what a
+        # What the accelerated layers' KV caches hold (kv_rows below): float16 halves what a
         # step reads at a long context; the attention widens it to float32 exactly.
         self.kv_dtype = mx.float16 if switches.KV_CACHE.value() == "float16" else mx.float32
         self.overlap = True  # layers start evaluations (kernels.serial turns it off)
@@ -133,9 +133,10 @@ STATE = State()
 
 
 def kv_rows(k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-    """New keys and values as the accelerated layers' caches hold them (STATE.kv_dtype): every
-    pass, plain or verifying, reads the same stored values, so rows still agree bit for bit.
-    Only float32 ones are narrowed: a half model's stay as they are."""
+    """New keys and values as the accelerated layers' caches hold them (STATE.kv_dtype), with a
+    cache or without: every pass, plain or verifying, reads the same stored values, so rows
+    still agree bit for bit. The native primitives give them so themselves (their `half`
+    argument, rounded as here); only float32 ones are narrowed: a half model's stay as they are."""
     if k.dtype != mx.float32 or STATE.kv_dtype == mx.float32:
         return k, v
     return k.astype(STATE.kv_dtype), v.astype(STATE.kv_dtype)

@@ -6,6 +6,7 @@ pass's keys and values that way, plain or verifying."""
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models import llama, qwen2
@@ -67,6 +68,24 @@ def test_half_keys_with_a_tree_mask_and_a_copied_layout():
     assert np.array_equal(np.array(ext.attend(q, kt, v, 0.25, False, mask)), want)
 
 
+def _bits(x):
+    return np.array(x.view(mx.uint16)) if x.dtype == mx.float16 else np.array(x)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 3])  # 3 rows x 2 heads x 12: halves left past 8 lanes
+def test_rope_heads_give_halves_rounded_as_astype_rounds(rows):
+    heads, kv_heads, d = 6, 2, 12 if rows == 3 else 16
+    table = kernels.TableRoPE(nn.RoPE(d, base=10000.0), size=32)
+    key = iter(mx.random.split(mx.random.key(rows), 3))
+    q, k, v = (mx.random.normal((1, rows, n * d), key=next(key)) for n in (heads, kv_heads, 2))
+    full = ext.rope_heads(q, k, v, table.cos, table.sin, heads, kv_heads, 4, False)
+    half = ext.rope_heads(q, k, v, table.cos, table.sin, heads, kv_heads, 4, False, None, True)
+    assert [a.dtype for a in half] == [mx.float32, mx.float16, mx.float16]
+    assert np.array_equal(np.array(half[0]), np.array(full[0]))
+    for a, b in zip(half[1:], full[1:], strict=True):
+        assert np.array_equal(_bits(a), _bits(b.astype(mx.float16)))
+
+
 def test_other_key_types_are_refused_with_a_message():
     q, k, v = _case(2, 3)
     with pytest.raises(ValueError, match="float32 or float16 k"):
@@ -107,3 +126,18 @@ def test_a_verification_pass_over_half_caches_gives_each_plain_steps_logits():
     together = chunk_logits(model, [prompt, ids])
     for i in range(len(ids)):
         assert np.array_equal(together[1][i], steps[i + 1][0])
+
+
+@pytest.mark.parametrize("module", [llama, qwen2])
+def test_fused_layers_equal_the_ops_bit_for_bit_over_half_caches(module, monkeypatch, native_calls):
+    model = llama_like(module, model_type=module.__name__.rsplit(".", 1)[-1])
+    kernels.accelerate(model)
+    chunks = [[3, 9, 27, 17] * 70, [5], [40, 2, 33], [11]]
+    monkeypatch.setattr(STATE, "native_blocks", False)
+    ops = chunk_logits(model, chunks)
+    monkeypatch.setattr(STATE, "native_blocks", True)
+    native_calls.clear()
+    fused = chunk_logits(model, chunks)
+    assert native_calls["qkv_rope"] == native_calls["attn_mlp"] == len(chunks) * 2
+    for a, b in zip(ops, fused, strict=True):
+        assert np.array_equal(a, b)

@@ -83,6 +83,7 @@ def test_ratios_and_the_report(result):
     # One repeat (the API's default): the bare figures, no ranges.
     assert result["meta"]["repeats"] == 1 and all(r["repeats"] == 1 for r in result["rows"])
     assert result["meta"]["ask"] == "summary" and "then the summary request" in table
+    assert result["meta"]["kv_cache"] == "float16" and "; float16 KV cache;" in table
     assert re.search(r"^\| 200 \| plain \| [\d.]+ \| [\d.,]+ \| [\d.,]+ \| [\d,]+ \|$", table, re.M)
     assert "repeats a row" not in table
 

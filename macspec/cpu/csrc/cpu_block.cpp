@@ -82,17 +82,17 @@ class QkvRope : public LayerOp {
   static constexpr int W0 = 4;  // the first weight array
 
   QkvRope(mx::Stream s, Mats w, float eps, int heads, int kv_heads, int offset, bool traditional,
-          bool bias, bool positions)
+          bool bias, bool positions, bool half)
       : LayerOp(s), w_(w), eps_(eps), heads_(heads), kv_heads_(kv_heads), offset_(offset),
-        traditional_(traditional), bias_(bias), positions_(positions) {}
+        traditional_(traditional), bias_(bias), positions_(positions), half_(half) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     check_weights(inputs, W0, W0 + 3 * w_.arrays());
     auto& encoder = start(stream(), inputs, outputs);
-    encoder.dispatch([in = inputs, qo = outputs[0].data<float>(), ko = outputs[1].data<float>(),
-                      vo = outputs[2].data<float>(), w = w_, eps = eps_, H = heads_,
+    encoder.dispatch([in = inputs, qo = outputs[0].data<float>(), kb = outputs[1].data<char>(),
+                      vb = outputs[2].data<char>(), w = w_, eps = eps_, H = heads_,
                       KVH = kv_heads_, offset = offset_, traditional = traditional_,
-                      bias = bias_, has_positions = positions_]() {
+                      bias = bias_, has_positions = positions_, half = half_]() {
       std::vector<float> hs, ws, cs, ss;
       const int L = in[0].shape(1), D = in[0].shape(2), B0 = W0 + 3 * w.arrays();
       const int Nq = matrix_rows(in[W0]), Nk = matrix_rows(in[W0 + w.arrays()]);
@@ -108,8 +108,17 @@ class QkvRope : public LayerOp {
         add_rows(v, in[B0 + 2].data<float>(), L, Nk);
       }
       const int32_t* positions = has_positions ? in.back().data<int32_t>() : nullptr;
+      // With `half`, k and v as a float16 cache keeps them (rope_heads, cpu_layer.cpp)
+      const size_t n = (size_t)L * Nk;
+      std::vector<float> wide(half ? 2 * n : 0);
+      float* ko = half ? wide.data() : (float*)kb;
+      float* vo = half ? wide.data() + n : (float*)vb;
       rope_rows(q, k, v, rows_of(in[2], cs), rows_of(in[3], ss), in[2].shape(1), positions,
                 offset, L, H, KVH, Nq / H, traditional, qo, ko, vo);
+      if (half) {
+        narrow_rows(ko, (uint16_t*)kb, n);
+        narrow_rows(vo, (uint16_t*)vb, n);
+      }
     });
   }
 
@@ -124,14 +133,14 @@ class QkvRope : public LayerOp {
     auto& o = static_cast<const QkvRope&>(other);
     return w_ == o.w_ && eps_ == o.eps_ && heads_ == o.heads_ && kv_heads_ == o.kv_heads_ &&
         offset_ == o.offset_ && traditional_ == o.traditional_ && bias_ == o.bias_ &&
-        positions_ == o.positions_;
+        positions_ == o.positions_ && half_ == o.half_;
   }
 
  private:
   Mats w_;
   float eps_;
   int heads_, kv_heads_, offset_;
-  bool traditional_, bias_, positions_;
+  bool traditional_, bias_, positions_, half_;
 };
 
 static std::invalid_argument refused(const char* what, const char* why) {
@@ -229,7 +238,8 @@ std::vector<mx::array> qkv_rope(
     std::optional<mx::array> positions,
     int bits,
     int group_size,
-    bool int8) {
+    bool int8,
+    bool half) {
   const Mats w = layout(bits, group_size, int8);
   if (h.ndim() != 3) {
     throw std::invalid_argument("[macspec qkv_rope] h of shape (1, L, D)");
@@ -255,11 +265,12 @@ std::vector<mx::array> qkv_rope(
     throw std::invalid_argument("[macspec qkv_rope] positions past the table");
   }
   const int d = Nq / heads;
+  const mx::Dtype kv = half ? mx::float16 : mx::float32;
   return mx::array::make_arrays(
       {{1, heads, L, d}, {1, kv_heads, L, d}, {1, kv_heads, L, d}},
-      {mx::float32, mx::float32, mx::float32},
+      {mx::float32, kv, kv},
       std::make_shared<QkvRope>(cpu_stream(), w, eps, heads, kv_heads, offset, traditional,
-                                biases.has_value(), positions.has_value()),
+                                biases.has_value(), positions.has_value(), half),
       inputs);
 }
 
@@ -285,7 +296,8 @@ void bind_block(nb::module_& m) {
       nb::arg("positions") = nb::none(),
       nb::arg("bits") = 32,
       nb::arg("group_size") = 0,
-      nb::arg("int8") = false);
+      nb::arg("int8") = false,
+      nb::arg("half") = false);
   bind_attn_mlp(m);
 }
 

@@ -166,22 +166,33 @@ void rope_rows(const float* q, const float* k, const float* v, const float* cos,
 // q (1, L, H*D), k and v (1, L, KVH*D), as the projections give them, to q and k rotated by
 // their positions and all three as (1, heads, L, D). Row i sits at position offset + i, or at
 // positions[i] when given (a token tree's rows, by depth). cos/sin: (positions, dims / 2).
+// With `half`, k and v come out as float16 (a KV cache kept so: switches.KV_CACHE), rounded as
+// astype(float16) would round the float32 ones, without two more ops a layer.
 class RopeHeads : public LayerOp {
  public:
-  RopeHeads(mx::Stream s, int heads, int kv_heads, int offset, bool traditional)
-      : LayerOp(s), heads_(heads), kv_heads_(kv_heads), offset_(offset), traditional_(traditional) {}
+  RopeHeads(mx::Stream s, int heads, int kv_heads, int offset, bool traditional, bool half)
+      : LayerOp(s), heads_(heads), kv_heads_(kv_heads), offset_(offset), traditional_(traditional),
+        half_(half) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = start(stream(), inputs, outputs);
     const bool has_positions = inputs.size() > 5;
-    encoder.dispatch([in = inputs, qo = outputs[0].data<float>(), ko = outputs[1].data<float>(),
-                      vo = outputs[2].data<float>(), H = heads_, KVH = kv_heads_,
-                      offset = offset_, traditional = traditional_, has_positions]() {
+    encoder.dispatch([in = inputs, qo = outputs[0].data<float>(), kb = outputs[1].data<char>(),
+                      vb = outputs[2].data<char>(), H = heads_, KVH = kv_heads_, offset = offset_,
+                      traditional = traditional_, half = half_, has_positions]() {
       std::vector<float> s0, s1, s2, s3, s4;
       const int L = in[0].shape(1), D = in[0].shape(2) / H;
+      const size_t n = (size_t)KVH * L * D;
+      std::vector<float> wide(half ? 2 * n : 0);
+      float* ko = half ? wide.data() : (float*)kb;
+      float* vo = half ? wide.data() + n : (float*)vb;
       rope_rows(rows_of(in[0], s0), rows_of(in[1], s1), rows_of(in[2], s2), rows_of(in[3], s3),
                 rows_of(in[4], s4), in[3].shape(1), has_positions ? in[5].data<int32_t>() : nullptr,
                 offset, L, H, KVH, D, traditional, qo, ko, vo);
+      if (half) {
+        narrow_rows(ko, (uint16_t*)kb, n);
+        narrow_rows(vo, (uint16_t*)vb, n);
+      }
     });
   }
 
@@ -195,12 +206,12 @@ class RopeHeads : public LayerOp {
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const RopeHeads&>(other);
     return heads_ == o.heads_ && kv_heads_ == o.kv_heads_ && offset_ == o.offset_ &&
-        traditional_ == o.traditional_;
+        traditional_ == o.traditional_ && half_ == o.half_;
   }
 
  private:
   int heads_, kv_heads_, offset_;
-  bool traditional_;
+  bool traditional_, half_;
 };
 
 std::vector<mx::array> rope_heads(
@@ -213,7 +224,8 @@ std::vector<mx::array> rope_heads(
     int kv_heads,
     int offset,
     bool traditional,
-    std::optional<mx::array> positions) {
+    std::optional<mx::array> positions,
+    bool half) {
   for (auto* a : {&q, &k, &v, &cos, &sin}) {
     check_float32(*a, "q, k, v and tables");
   }
@@ -236,10 +248,11 @@ std::vector<mx::array> rope_heads(
   } else if (offset < 0 || offset + L > cos.shape(0)) {
     throw std::invalid_argument("[macspec rope_heads] positions past the table");
   }
+  const mx::Dtype kv = half ? mx::float16 : mx::float32;
   return mx::array::make_arrays(
       {{1, heads, L, D}, {1, kv_heads, L, D}, {1, kv_heads, L, D}},
-      {mx::float32, mx::float32, mx::float32},
-      std::make_shared<RopeHeads>(cpu_stream(), heads, kv_heads, offset, traditional),
+      {mx::float32, kv, kv},
+      std::make_shared<RopeHeads>(cpu_stream(), heads, kv_heads, offset, traditional, half),
       inputs);
 }
 
@@ -260,7 +273,8 @@ void bind_layer(nb::module_& m) {
       nb::arg("kv_heads"),
       nb::arg("offset"),
       nb::arg("traditional"),
-      nb::arg("positions") = nb::none());
+      nb::arg("positions") = nb::none(),
+      nb::arg("half") = false);
   bind_attention(m);
 }
 

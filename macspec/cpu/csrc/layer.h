@@ -109,6 +109,18 @@ inline void check_kv(const mx::array& a, const char* what) {
   }
 }
 
+// n floats to float16 bits, rounded to nearest even as MLX's astype(float16) rounds them: the
+// keys and values a KV cache kept in float16 stores (switches.KV_CACHE).
+inline void narrow_rows(const float* x, uint16_t* y, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128((__m128i*)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), 0));
+  }
+  for (; i < n; i++) {
+    y[i] = _cvtss_sh(x[i], 0);
+  }
+}
+
 // Registers the primitive's arrays with MLX's CPU stream and allocates its outputs.
 inline mx::cpu::CommandEncoder& start(
     const mx::Stream& s,

@@ -34,6 +34,7 @@ import mlx.core as mx
 from ...api.options import GenerationOptions
 from ...api.pair import DRAFT_CONTEXT
 from ...base import platform_info as be
+from ...base import switches
 from ...base.errors import OptionError
 from .llamacpp import LlamaCpp, check_vocabulary, unavailable
 from .plan import Method, load_pairs, parse_numbers, plan_methods
@@ -268,6 +269,8 @@ def _meta(
         "backend": be.detect_backend(),
         "device": be.device_name(),
         "blas": blas.describe(),
+        # what the CPU layers' KV caches hold (Metal and CUDA: the model's own dtype)
+        "kv_cache": switches.KV_CACHE.value() if be.detect_backend() == "cpu" else None,
         "mlx": mx.__version__,
         "python": platform.python_version(),  # its sources are the prompts
         "ask": run.ask,
@@ -292,8 +295,9 @@ def format_lengths(result: dict[str, Any]) -> str:
     window, drafter = meta["draft_context"], meta["default_drafter"]
     reads = f"the draft reads a prompt's last {window} ids" if window else "the draft reads all"
     default = f"the default: {drafter}, {reads}" if drafter else "no draft model"
+    kv = f"; {meta['kv_cache']} KV cache" if meta.get("kv_cache") else ""
     out = [
-        f"target {meta['target']}  draft {meta['draft']}  ({default}; {meta['blas']}; Python "
+        f"target {meta['target']}  draft {meta['draft']}  ({default}; {meta['blas']}{kv}; Python "
         f"{meta['python']}'s sources, then the {meta.get('ask', 'summary')} request; "
         f"{meta['max_tokens']} tokens, greedy)",
         "",
