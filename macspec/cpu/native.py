@@ -53,7 +53,7 @@ SOURCES = (
 )
 HEADERS = tuple(
     SOURCE_DIR / f"{n}.h"
-    for n in ("common", "layer", "linear", "block", "vec16", "quant", "qdot", "qint8")
+    for n in ("common", "layer", "kv", "linear", "block", "vec16", "quant", "qdot", "qint8")
 )
 MODULE = "_macspec_cpu"
 # Compilers run at once at most (each may take ~1 GB of memory on the larger sources).

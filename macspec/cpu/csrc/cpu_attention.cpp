@@ -23,6 +23,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "kv.h"
 #include "layer.h"
 
 namespace nb = nanobind;
@@ -261,62 +262,6 @@ static void weigh_keys(const float* const* p, const float* vb, size_t vt, int t0
 }
 
 // ---------------------------------------------------------------- attention
-
-// Keys or values (1, heads, T, D): float32 or float16 (a cache kept at half the bytes), read
-// where they lie when each row of D is contiguous (a KV cache's view), else copied; `head` and
-// `row` are the strides between heads and between rows.
-struct KV {
-  const float* f = nullptr;     // float32 rows
-  const uint16_t* h = nullptr;  // float16 rows (IEEE half bits), widened a piece at a time
-  size_t head = 0, row = 0;
-};
-
-static KV in_place(const mx::array& x, std::vector<float>& scratch,
-                   std::vector<uint16_t>& halves) {
-  KV kv;
-  const bool half = x.dtype() == mx::float16;
-  if (x.strides()[3] == 1 || x.shape(3) == 1) {
-    kv.head = x.strides()[1];
-    kv.row = x.strides()[2];
-    if (half) {
-      kv.h = reinterpret_cast<const uint16_t*>(x.data<mx::float16_t>());
-    } else {
-      kv.f = x.data<float>();
-    }
-    return kv;
-  }
-  kv.head = (size_t)x.shape(2) * x.shape(3);
-  kv.row = x.shape(3);
-  if (!half) {
-    kv.f = rows_of(x, scratch);
-    return kv;
-  }
-  halves.resize(x.size());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data<mx::float16_t>());
-  for (size_t i = 0; i < x.size(); i++) {
-    halves[i] = src[mx::elem_to_loc(static_cast<int>(i), x)];
-  }
-  kv.h = halves.data();
-  return kv;
-}
-
-// Rows t0 <= t < t1 of float16 keys or values (stride `row`) as float32 rows of D in `out`:
-// each half widened exactly (F16C), so attention sums the same floats whatever reads them.
-static const float* widen(const KV& kv, size_t at, int n, int D, std::vector<float>& out) {
-  out.resize((size_t)n * D);
-  for (int t = 0; t < n; t++) {
-    const uint16_t* src = kv.h + at + (size_t)t * kv.row;
-    float* dst = out.data() + (size_t)t * D;
-    int d = 0;
-    for (; d + 8 <= D; d += 8) {
-      store8(dst + d, (f8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + d))));
-    }
-    for (; d < D; d++) {
-      dst[d] = _cvtsh_ss(src[d]);
-    }
-  }
-  return out.data();
-}
 
 // Keys per piece of attention work. Pieces start at fixed positions (0, KEYS, 2 KEYS, ...),
 // so how a row's keys are split, and so its sums, never depend on the pass's other rows.

@@ -16,6 +16,7 @@
 
 #include "block.h"
 #include "common.h"
+#include "kv.h"
 #include "layer.h"
 #include "mlx/array.h"
 #include "mlx/ops.h"

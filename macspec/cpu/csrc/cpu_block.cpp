@@ -22,6 +22,7 @@
 
 #include "block.h"
 #include "common.h"
+#include "kv.h"
 #include "layer.h"
 #include "linear.h"
 #include "quant.h"

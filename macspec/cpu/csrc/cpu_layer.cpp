@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "kv.h"
 #include "layer.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"

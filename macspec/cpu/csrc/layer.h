@@ -101,26 +101,6 @@ inline void check_float32(const mx::array& a, const char* what) {
   }
 }
 
-// A KV cache's keys or values: float32, or float16 where the cache is kept at half the bytes
-// (switches.KV_CACHE): attention widens each piece of them to float32 once for all its rows.
-inline void check_kv(const mx::array& a, const char* what) {
-  if (a.dtype() != mx::float32 && a.dtype() != mx::float16) {
-    throw std::invalid_argument(std::string("[macspec] float32 or float16 ") + what);
-  }
-}
-
-// n floats to float16 bits, rounded to nearest even as MLX's astype(float16) rounds them: the
-// keys and values a KV cache kept in float16 stores (switches.KV_CACHE).
-inline void narrow_rows(const float* x, uint16_t* y, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128((__m128i*)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), 0));
-  }
-  for (; i < n; i++) {
-    y[i] = _cvtss_sh(x[i], 0);
-  }
-}
-
 // Registers the primitive's arrays with MLX's CPU stream and allocates its outputs.
 inline mx::cpu::CommandEncoder& start(
     const mx::Stream& s,
