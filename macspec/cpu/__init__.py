@@ -79,7 +79,9 @@ def install() -> None:
 
 def install_default() -> None:
     """install(), where the core still has its plain defaults: what loading a model does
-    (api/loading.py), leaving hooks that someone installed (a test's, a replacement) alone."""
+    (api/loading.py), leaving hooks that someone installed (a test's, a replacement) alone.
+    A malformed switch read at import is its OptionError here (State.check)."""
+    STATE.check()
     if hooks.installed() == hooks.Hooks():
         install()
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..base import switches
+from ..base.errors import OptionError
 
 
 @dataclass(eq=False)
@@ -42,21 +43,26 @@ class State:
     """Everything the CPU package changes as it runs (one instance, STATE)."""
 
     def __init__(self) -> None:
-        self.native_layers = switches.NATIVE_LAYERS.value()  # kernels.py's layer primitives
-        self.native_blocks = switches.NATIVE_BLOCKS.value()  # blocks.py's fused layers
-        self.native_products = switches.NATIVE_PRODUCTS.value()  # products.py
+        # A malformed switch read here, at import, is raised where the CPU package is first used
+        # (check: a model's load, the command line), as the project's error with its message,
+        # not as a traceback out of `import macspec`.
+        self.switch_error: OptionError | None = None
+        read = self._read
+        self.native_layers = read(switches.NATIVE_LAYERS)  # kernels.py's layer primitives
+        self.native_blocks = read(switches.NATIVE_BLOCKS)  # blocks.py's fused layers
+        self.native_products = read(switches.NATIVE_PRODUCTS)  # products.py
         # Off: quantized products take float activations (the weights unpacked to float32)
         # instead of int8 ones with integer dot products, llama.cpp's choice on CPUs too. Int8
         # moves the logits slightly, for plain and speculative decoding alike: exactness is
         # relative to the target as run.
-        self.int8_activations = switches.INT8_ACTIVATIONS.value()
+        self.int8_activations = read(switches.INT8_ACTIVATIONS)
         # Off: 4-bit weights stay in MLX's layout, and each pass transposes them on the fly.
-        self.repack_weights = switches.REPACK.value()
+        self.repack_weights = read(switches.REPACK)
         # Off: repacked weights keep float32 scales and biases even where they factor exactly.
-        self.factor_scales = switches.FACTOR_SCALES.value()
+        self.factor_scales = read(switches.FACTOR_SCALES)
         # What the accelerated layers' KV caches hold (kv_rows below): float16 halves what a
         # step reads at a long context; the attention widens it to float32 exactly.
-        self.kv_dtype = mx.float16 if switches.KV_CACHE.value() == "float16" else mx.float32
+        self.kv_dtype = mx.float16 if read(switches.KV_CACHE) == "float16" else mx.float32
         self.overlap = True  # layers start evaluations (kernels.serial turns it off)
         self.compiler_works: bool | None = None  # mx.compile works here; None: not tried yet
         self.told: set[str] = set()  # what was logged once
@@ -72,6 +78,19 @@ class State:
         self._kept: dict[int, Kept] = {}  # id(module) -> what is kept of it, while it lives
         # id(attention) -> (table, positions, end) during a token tree's pass (tree_positions)
         self._tree: ContextVar[dict[int, tuple] | None] = ContextVar("macspec_cpu_tree")
+
+    def _read(self, switch: switches.Switch) -> Any:
+        """The switch's value, or its default with the first malformed one's error kept."""
+        try:
+            return switch.value()
+        except OptionError as e:
+            self.switch_error = self.switch_error or e
+            return switch.default
+
+    def check(self) -> None:
+        """The OptionError of a malformed switch read at import, if there was one."""
+        if self.switch_error is not None:
+            raise self.switch_error
 
     def subclass(self, cls: type, methods: dict[str, Any]) -> type:
         """`cls` with these methods replaced: the class a module of `cls` is switched to (one

@@ -113,3 +113,26 @@ def test_every_switch_defined_is_listed_in_all():
 
     defined = {v.name for v in vars(module).values() if isinstance(v, module.Switch)}
     assert defined == {s.name for s in module.ALL}
+
+
+@pytest.mark.parametrize("env", [{"MACSPEC_KV_CACHE": "bf16"}, {"MACSPEC_REPACK": "maybe"}])
+def test_a_malformed_switch_read_at_import_is_a_message_where_it_is_used(env, tmp_path):
+    # `import macspec` reads the CPU package's switches; a bad one is its OptionError when a
+    # model is first loaded (the command line's message), not a traceback out of the import.
+    import os
+    import subprocess
+    import sys
+
+    from support.tinymodels import make_tiny_model
+
+    target = make_tiny_model(tmp_path / "t")
+    run_env = {**os.environ, **env}
+    name = next(iter(env))
+    imported = subprocess.run(
+        [sys.executable, "-c", "import macspec"], env=run_env, capture_output=True, text=True
+    )
+    assert imported.returncode == 0, imported.stderr
+    cmd = [sys.executable, "-m", "macspec", "generate", "Hi", "--target", str(target)]
+    done = subprocess.run(cmd, env=run_env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.startswith(f"macspec: error: {name}=") and "Traceback" not in done.stderr
