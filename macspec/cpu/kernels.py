@@ -290,15 +290,14 @@ def _fast_attention_call(self, x: mx.array, mask: Any = None, cache: Any = None)
         q, k = table.pair(q, k, offset)
     else:  # a scaled RoPE variant, or per-sequence offsets: mlx-lm's own module
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
-    if not hasattr(cache, "bits"):
-        # the values every pass of this model reads (stored so), then as the queries' floats
+    quantized = hasattr(cache, "bits")  # mlx-lm's quantized cache: its own values and attention
+    if not quantized:  # the values every pass of this model stores and reads
         k, v = kv_rows(k, v)
-        if cache is not None:
-            k, v = cache.update_and_fetch(k, v)
-        k, v = k.astype(q.dtype), v.astype(q.dtype)
-    else:  # a quantized cache: mlx-lm's own
+    if cache is not None:
         k, v = cache.update_and_fetch(k, v)
-    if (mask is None or isinstance(mask, str)) and not hasattr(cache, "bits"):
+    if not quantized:  # read as the queries' floats
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    if (mask is None or isinstance(mask, str)) and not quantized:
         out = attention(q, k, v, self.scale, "causal" if mask is not None else None)
     else:
         from mlx_lm.models.base import scaled_dot_product_attention

@@ -110,16 +110,10 @@ class QkvRope : public LayerOp {
       }
       const int32_t* positions = has_positions ? in.back().data<int32_t>() : nullptr;
       // With `half`, k and v as a float16 cache keeps them (rope_heads, cpu_layer.cpp)
-      const size_t n = (size_t)L * Nk;
-      std::vector<float> wide(half ? 2 * n : 0);
-      float* ko = half ? wide.data() : (float*)kb;
-      float* vo = half ? wide.data() + n : (float*)vb;
+      NewKV kv(kb, vb, (size_t)L * Nk, half);
       rope_rows(q, k, v, rows_of(in[2], cs), rows_of(in[3], ss), in[2].shape(1), positions,
-                offset, L, H, KVH, Nq / H, traditional, qo, ko, vo);
-      if (half) {
-        narrow_rows(ko, (uint16_t*)kb, n);
-        narrow_rows(vo, (uint16_t*)vb, n);
-      }
+                offset, L, H, KVH, Nq / H, traditional, qo, kv.k, kv.v);
+      kv.store();
     });
   }
 

@@ -183,17 +183,11 @@ class RopeHeads : public LayerOp {
                       traditional = traditional_, half = half_, has_positions]() {
       std::vector<float> s0, s1, s2, s3, s4;
       const int L = in[0].shape(1), D = in[0].shape(2) / H;
-      const size_t n = (size_t)KVH * L * D;
-      std::vector<float> wide(half ? 2 * n : 0);
-      float* ko = half ? wide.data() : (float*)kb;
-      float* vo = half ? wide.data() + n : (float*)vb;
+      NewKV kv(kb, vb, (size_t)KVH * L * D, half);
       rope_rows(rows_of(in[0], s0), rows_of(in[1], s1), rows_of(in[2], s2), rows_of(in[3], s3),
                 rows_of(in[4], s4), in[3].shape(1), has_positions ? in[5].data<int32_t>() : nullptr,
-                offset, L, H, KVH, D, traditional, qo, ko, vo);
-      if (half) {
-        narrow_rows(ko, (uint16_t*)kb, n);
-        narrow_rows(vo, (uint16_t*)vb, n);
-      }
+                offset, L, H, KVH, D, traditional, qo, kv.k, kv.v);
+      kv.store();
     });
   }
 

@@ -36,6 +36,32 @@ inline void narrow_rows(const float* x, uint16_t* y, size_t n) {
   }
 }
 
+// Where a primitive writes its new keys and values (n floats each) for its outputs kb and vb:
+// the outputs themselves, or with `half` a float scratch that store() narrows into them.
+class NewKV {
+ public:
+  NewKV(char* kb, char* vb, size_t n, bool half)
+      : kb_(kb), vb_(vb), n_(n), wide_(half ? 2 * n : 0) {
+    k = half ? wide_.data() : reinterpret_cast<float*>(kb);
+    v = half ? wide_.data() + n : reinterpret_cast<float*>(vb);
+  }
+
+  void store() {  // (nothing to do for float32 outputs)
+    if (!wide_.empty()) {
+      narrow_rows(k, reinterpret_cast<uint16_t*>(kb_), n_);
+      narrow_rows(v, reinterpret_cast<uint16_t*>(vb_), n_);
+    }
+  }
+
+  float* k;
+  float* v;
+
+ private:
+  char *kb_, *vb_;
+  size_t n_;
+  std::vector<float> wide_;
+};
+
 // Keys or values (1, heads, T, D): float32 or float16 (a cache kept at half the bytes), read
 // where they lie when each row of D is contiguous (a KV cache's view), else copied; `head` and
 // `row` are the strides between heads and between rows.

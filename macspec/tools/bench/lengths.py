@@ -34,8 +34,8 @@ import mlx.core as mx
 from ...api.options import GenerationOptions
 from ...api.pair import DRAFT_CONTEXT
 from ...base import platform_info as be
-from ...base import switches
 from ...base.errors import OptionError
+from ...cpu.state import STATE
 from .llamacpp import LlamaCpp, check_vocabulary, unavailable
 from .plan import Method, load_pairs, parse_numbers, plan_methods
 from .progress import Finished, Note, RunUpdate
@@ -269,8 +269,10 @@ def _meta(
         "backend": be.detect_backend(),
         "device": be.device_name(),
         "blas": blas.describe(),
-        # what the CPU layers' KV caches hold (Metal and CUDA: the model's own dtype)
-        "kv_cache": switches.KV_CACHE.value() if be.detect_backend() == "cpu" else None,
+        # what the CPU layers' KV caches hold, as read at import (Metal, CUDA: the model's dtype)
+        "kv_cache": str(STATE.kv_dtype).rsplit(".", 1)[-1]
+        if be.detect_backend() == "cpu"
+        else None,
         "mlx": mx.__version__,
         "python": platform.python_version(),  # its sources are the prompts
         "ask": run.ask,
