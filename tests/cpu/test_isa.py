@@ -29,6 +29,7 @@ TESTS = [
     "tests/cpu/test_repack.py",
     "tests/cpu/test_factored_scales.py",
     "tests/cpu/test_kv_half.py",
+    "tests/cpu/test_rooms.py",
 ]
 
 

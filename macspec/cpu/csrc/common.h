@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -319,6 +320,43 @@ inline bool packed_shapes(const mx::array& w, const mx::array& scales) {
 inline mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device(mx::Device::cpu));
 }
+
+// Room for n floats that this thread keeps for its next call, one per `Slot` (a use), neither
+// cleared nor shrunk; rooms over KEPT_BYTES are lent for the call only. A 512-id prompt chunk's
+// MLP rows (126 KB an id for the 1.5B target) pass 32 MiB, past which glibc's malloc maps fresh
+// pages at every call and the kernel zeroes each one: a 512-row layer took 1.5x a 256-row one
+// per row (docs/cpu.md, "Prompt chunks past 32 MiB of scratch").
+constexpr size_t KEPT_BYTES = size_t(128) << 20;
+
+template <int Slot>
+class Room {
+ public:
+  explicit Room(size_t n) {
+    thread_local std::unique_ptr<float[]> kept;
+    thread_local size_t size = 0;
+    if (n * sizeof(float) > KEPT_BYTES) {
+      lent_.reset(new float[n]);
+      data_ = lent_.get();
+      return;
+    }
+    if (size < n) {
+      kept.reset();  // the old room goes back before the new one is taken
+      kept.reset(new float[n]);
+      size = n;
+    }
+    data_ = kept.get();
+  }
+  float* data() const {
+    return data_;
+  }
+
+ private:
+  std::unique_ptr<float[]> lent_;
+  float* data_ = nullptr;
+};
+
+// The slots: one per buffer that may be in use at the same time as another.
+enum RoomSlot { MLP_ROWS, ATTENDED_ROWS, QKV_ROWS, ATTENTION_PIECES };
 
 // A row-contiguous float32 copy of x (or x itself), as (rows, K).
 inline const float* rows_of(const mx::array& x, std::vector<float>& scratch) {

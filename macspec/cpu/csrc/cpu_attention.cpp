@@ -332,7 +332,8 @@ void attend_query_rows(const float* qp, int H, int Lq, int q0, int L, int D, con
   const KV kk = in_place(k, ks, kh16), vv = in_place(v, vs, vh16);
   const int pieces = (T + KEYS - 1) / KEYS;
   const size_t stride = (size_t)D + 2;  // per query head: largest, sum, weighed values
-  std::vector<float> part((size_t)KVH * L * pieces * rep * stride);
+  // (every task writes all of its entries: no clearing)
+  const Room<ATTENTION_PIECES> part((size_t)KVH * L * pieces * rep * stride);
   // Rows split into blocks only as far as needed to give each thread a few tasks.
   const int spread = KVH * pieces, blocks = std::min(L, std::max(1, (8 + spread - 1) / spread));
   const int per_block = (L + blocks - 1) / blocks;

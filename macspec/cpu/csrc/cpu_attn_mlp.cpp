@@ -31,7 +31,7 @@ namespace macspec {
 static void project_mlp(const Mats& w, const std::vector<mx::array>& in, int W0, const float* h,
                         const float* nw, float eps, const float* a, int L, int D, float* y) {
   const int F = matrix_rows(in[W0 + w.arrays()]);
-  std::vector<float> buf((size_t)L * (3 * D + 3 * F));
+  const Room<MLP_ROWS> buf((size_t)L * (3 * D + 3 * F));
   float *o = buf.data(), *h1 = o + (size_t)L * D, *n = h1 + (size_t)L * D,
         *g = n + (size_t)L * D, *u = g + (size_t)L * F, *s = u + (size_t)L * F;
   const Job jo{0, a, o};
@@ -66,7 +66,7 @@ class AttnMlp : public LayerOp {
                       causal = causal_, eps = eps_, has_mask = mask_]() {
       std::vector<float> hs, ws;
       const int L = in[0].shape(1), D = in[0].shape(2), A = cols(in, W0, w);
-      std::vector<float> a((size_t)L * A);
+      const Room<ATTENDED_ROWS> a((size_t)L * A);
       attend_rows(in[1], in[2], in[3], has_mask ? in.back().data<bool>() : nullptr, scale,
                   causal, a.data());
       project_mlp(w, in, W0, rows_of(in[0], hs), rows_of(in[4], ws), eps, a.data(), L, D, y);
@@ -114,7 +114,7 @@ class RowsAttnMlp : public LayerOp {
       const int L = in[0].shape(1), D = in[0].shape(2), H = in[1].shape(1), d = in[1].shape(3);
       const int R = T.size(), width = L / R, A = H * d, K0 = W0 + 4 * w.arrays();
       const float* qp = rows_of(in[1], qs);
-      std::vector<float> a((size_t)L * A);
+      const Room<ATTENDED_ROWS> a((size_t)L * A);
       for (int r = 0; r < R; r++) {
         attend_query_rows(qp, H, L, r * width, width, d, in[K0 + 2 * r], in[K0 + 2 * r + 1], T[r],
                           nullptr, scale, width > 1, a.data() + (size_t)r * width * A);

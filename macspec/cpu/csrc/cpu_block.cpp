@@ -97,7 +97,7 @@ class QkvRope : public LayerOp {
       std::vector<float> hs, ws, cs, ss;
       const int L = in[0].shape(1), D = in[0].shape(2), B0 = W0 + 3 * w.arrays();
       const int Nq = matrix_rows(in[W0]), Nk = matrix_rows(in[W0 + w.arrays()]);
-      std::vector<float> buf((size_t)L * (D + Nq + 2 * Nk));
+      const Room<QKV_ROWS> buf((size_t)L * (D + Nq + 2 * Nk));
       float *normed = buf.data(), *q = normed + (size_t)L * D, *k = q + (size_t)L * Nq,
             *v = k + (size_t)L * Nk;
       norm_rows(rows_of(in[0], hs), rows_of(in[1], ws), normed, L, D, eps);
