@@ -18,7 +18,9 @@ from macspec.cpu import kernels, native
 from macspec.cpu.state import STATE
 
 ext = native.load()
-pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}")
+pytestmark = pytest.mark.skipif(
+    ext is None, reason=f"native kernels unavailable: {STATE.ext_reason}"
+)
 
 # 512 rows x (3 x 256 + 3 x 8,192) floats: 52 MB of MLP rows a layer, past glibc's 32 MiB
 SHAPE = {"hidden_size": 256, "intermediate_size": 8192, "num_attention_heads": 4}
