@@ -50,13 +50,14 @@ def test_repacked_weights_give_mlx_layouts_bits_at_every_number_of_rows(dtype, b
     layer = nn.QuantizedLinear(k, 48, bias=False, group_size=group, bits=bits)  # 3 blocks
     layer.weight, layer.scales, layer.biases = _weights(48, k, group, bits, dtype, seed=8)
     flat = (layer.weight, layer.scales, layer.biases)
-    x = mx.random.normal((20, k), key=mx.random.key(9))
+    x = mx.random.normal((300, k), key=mx.random.key(9))
     want = _q8(x, flat, group, bits)
     np.testing.assert_array_equal(want[:5], reference(x[:5], *flat, group, bits))
     products.pack(layer)
     assert layer.weight.shape == (3, 5, group * bits // 2) and layer.scales.shape == (3, 5, 16)
     packed = (layer.weight, layer.scales, layer.biases)
-    for rows in [*range(1, 17), 20]:  # past 8 rows the kernel takes x 8 rows at a time
+    # past 8 rows the kernel takes x 8 rows at a time; past 128 a prompt chunk's x in tiles
+    for rows in [*range(1, 17), 20, 130, 300]:
         np.testing.assert_array_equal(_q8(x[:rows], packed, group, bits), want[:rows])
     products.unpack(layer)
     for before, after in zip(flat, (layer.weight, layer.scales, layer.biases), strict=True):
