@@ -331,3 +331,12 @@ def test_a_resumed_run_with_another_init_vocabulary_is_refused(run, tmp_path):
             str(target), str(first), kind="eagle3", init=str(out), resume=True, force=True, **small
         )
     assert json.loads(vocab.read_text()) == other
+
+
+def test_a_corpus_read_past_its_tokens_shows_no_negative_wait(capsys):
+    # A corpus shard ends where its files' pieces end, so the data may pass --tokens.
+    from macspec.tools.distill.data import data_bar
+
+    data_bar(6_200, 6_200, 6_000, start=0.0)
+    line = capsys.readouterr().err
+    assert "100.0%" in line and "ETA 0:00" in line, line

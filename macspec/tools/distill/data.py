@@ -269,7 +269,8 @@ def generate_data(
 def data_bar(made: int, have: int, tokens: int, start: float) -> None:
     """The data stage's progress line: `have` of `tokens`, at the rate of the `made` ones."""
     rate = made / max(time.perf_counter() - start, 1e-9)
-    eta = (tokens - have) / rate if rate > 0 else float("nan")
+    # (a shard may carry the data past `tokens`: nothing is left then, not a negative wait)
+    eta = max(0, tokens - have) / rate if rate > 0 else float("nan")
     note = f"{rate:.0f} tok/s  ETA {hms(eta)}" if made else "kept from an earlier run"
     bar("data", min(have, tokens), tokens, note)
 
