@@ -32,7 +32,7 @@ KEEP_DAYS = 7
 KEEP_SPREAD = 0.25  # how far this load's plain step may be from the kept one's
 
 
-def calibrate(pair: LoadedPair, k: int = 4, long: int = 512) -> Costs:
+def calibrate(pair: LoadedPair, k: int = 4, long: int = measure.FAR) -> Costs:
     """core.measure.calibrate, with the long context's costs kept on disk (unless switched off)."""
     kept = KeptCosts(pair, k) if switches.KEEP_COSTS.value() else None
     return measure.calibrate(pair, k, long, kept)

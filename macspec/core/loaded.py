@@ -24,6 +24,8 @@ class LoadedPair(Protocol):
     group: mx.distributed.Group | None  # the target is sharded over it (sharded.py)
     timing: Timing  # plain steps measured across generations
     kernels: bool  # accelerated layers in the target and in drafts made for it (hooks.py)
+    draft: nn.Module | None  # a draft model (drafter_kind "model", "model+ngram"), else None
+    draft_context: int  # the draft model reads only a prompt's last this many ids (0: all)
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:
         """A fresh drafter for one generation (None: the pair decodes plainly)."""

@@ -1,6 +1,7 @@
 """What speculation costs on this machine, measured once per loaded pair for the adaptive policy:
 a plain step, a draft token, and target passes verifying 1 to 16 drafts, after a short prompt
-and after a long one (the policy prices each round at its context between the two)."""
+and what each grows by after a long one (the policy prices each round at its context, linearly
+between the two and past the long one)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from statistics import median
 from typing import Protocol
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
+from . import caches
 from .caches import DraftState, PromptCache
 from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
@@ -163,12 +167,21 @@ class Kept(Protocol):
         """Keep `costs`, measured after `length` tokens, with the short ones of the same load."""
 
 
-def calibrate(pair: LoadedPair, k: int = 4, long: int = 512, kept: Kept | None = None) -> Costs:
-    """The costs after a short prompt, with the same measured after `long` tokens (capped by
-    the pair's context) for the policy to price rounds at the current context (Costs.at).
+# The context the long costs are priced at. Every pass and draft token reads all cached
+# positions, so costs grow with the context; measured at 512 ids that growth was within a
+# step's noise, and the policy, extrapolating it 30-fold, drafted 17-row copies after a
+# 16,384-id prompt (0.86x plain; docs/benchmarks.md, 2026-12-07).
+FAR = 4096
+PREFILL_LONG = 512  # the long prompt read where caches cannot be padded (windows, recurrent)
 
-    The long measurement is mostly its prompt's prefill (seconds on a CPU): `kept` may hold it
-    from an earlier load."""
+
+def calibrate(pair: LoadedPair, k: int = 4, long: int = FAR, kept: Kept | None = None) -> Costs:
+    """The costs after a short prompt, with the same after `long` tokens (capped by the pair's
+    context) for the policy to price rounds at the current context (Costs.at): the short ones
+    plus what each pass grows by on caches padded to `long` (`grown`, no prompt read), or,
+    where caches cannot be padded, measured after a prompt of PREFILL_LONG ids.
+
+    `kept` may hold the long costs from an earlier load."""
     short = measure(pair, k)
     room = min(pair.context_length, 1 << 20) - 256  # the measuring decode's own tokens
     # A sharded target keeps no prompt states, so each run would prefill the long prompt again.
@@ -177,7 +190,80 @@ def calibrate(pair: LoadedPair, k: int = 4, long: int = 512, kept: Kept | None =
     length = min(long, room)
     far = kept.read(length, short) if kept is not None else None
     if far is None:
-        far = measure(pair, k, length=length)
+        far = grown(pair, short, length, k)
+        if far is None:
+            far = measure(pair, k, length=min(length, PREFILL_LONG))
         if kept is not None:
             kept.keep(length, far, short)
     return replace(short, later=far)
+
+
+def grown(pair: LoadedPair, short: Costs, length: int, k: int = 4) -> Costs | None:
+    """`short` after `length` cached tokens: each pass (a plain step, and the verification of
+    each measured width) longer by what the target's pass of as many rows grows by from a
+    short cache to one of `length` positions (`growth`), the draft token by what the draft
+    model's grows by where it reads the whole prompt (else it reads a window: unchanged; a
+    feature draft's one layer is left out), `extra` as measure's over k drafts. None where
+    the target's caches cannot be padded."""
+    ids = [(7 * i) % pair.vocab_size for i in range(1, short.position + 1)]
+    widths = (1, *(1 + n for n, _ in short.verify))
+    more = growth(pair.target, widths, length, ids)
+    if more is None:
+        return None
+    draft = 0.0
+    if pair.draft is not None and pair.draft_context == 0:
+        grew = growth(pair.draft, (1,), length, ids)
+        draft = grew[1] if grew is not None else 0.0
+    extra = short.extra  # as measure's: the k-draft pass beyond a plain step, over k
+    if k in dict(short.verify):
+        extra += max(0.0, more[k + 1] - more[1]) / k
+    return Costs(
+        plain_step=short.plain_step + more[1],
+        draft_step=short.draft_step + draft,
+        extra=extra,
+        verify=tuple((n, t + more[n + 1]) for n, t in short.verify),
+        position=length,
+        measured=time.time(),
+    )
+
+
+def growth(
+    model: nn.Module, widths: tuple[int, ...], length: int, ids: list[int], reps: int = 3
+) -> dict[int, float] | None:
+    """Seconds a pass of each width (rows) takes more after `length` cached positions than
+    after `ids`: the same passes on a cache holding `ids` and on one holding them padded with
+    zero keys and values to `length`, taking turns (a pass's time depends on how many
+    positions it reads, not on what they hold), so no long prompt is read. None where a layer's
+    cache is not mlx-lm's KVCache (a window's or a recurrent state's growth is not this)."""
+    near, far = (caches.make_cache(model, max(widths)) for _ in range(2))
+    if not all(type(c) is KVCache for cache in (near, far) for _, c in caches.layers(cache)):
+        return None
+    for cache in (near, far):
+        caches.prefill(model, cache, ids)
+    for _, c in caches.layers(far):
+        keys, values = c.keys, c.values  # (1, kv heads, room, head dim)
+        pad = length - c.offset
+        c.update_and_fetch(
+            mx.zeros((*keys.shape[:2], pad, keys.shape[3]), keys.dtype),
+            mx.zeros((*values.shape[:2], pad, values.shape[3]), values.dtype),
+        )
+    mx.eval(caches.state_arrays(far))
+    seconds = {(w, c): [] for w in widths for c in (0, 1)}
+    for rep in range(reps + 1):  # the first cycle warms up
+        for w in widths:
+            for c, cache in enumerate((near, far)):
+                t = _pass_time(model, cache, w)
+                if rep:
+                    seconds[w, c].append(t)
+    return {w: max(0.0, median(seconds[w, 1]) - median(seconds[w, 0])) for w in widths}
+
+
+def _pass_time(model: nn.Module, cache: list, width: int) -> float:
+    """Seconds of one pass of `width` ids over `cache`, which is then rewound."""
+    start = caches.length(cache)
+    t = time.perf_counter()
+    with caches.forward(cache, width, rewindable=True):
+        mx.eval(model(mx.array([[1] * width]), cache=cache))
+    seconds = time.perf_counter() - t
+    caches.rewind(cache, start)
+    return seconds

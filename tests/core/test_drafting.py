@@ -19,6 +19,7 @@ import macspec
 import macspec.core.target as target_module
 import macspec.core.verify as verify
 from macspec.api.kept_costs import calibrate
+from macspec.core import caches, measure
 from macspec.core.adaptive import AdaptiveK, Trees
 from macspec.core.adaptive import adaptive as adaptive_policy
 from macspec.core.drafters import COPY_PRIORS, NgramDrafter, match_label
@@ -246,11 +247,83 @@ def test_calibration_measures_positive_costs(roomy_pair):
     assert c.extra <= max(0.0, dict(c.verify)[4] - c.plain_step) / 4
     assert [k for k, _ in c.verify] == [1, 2, 4, 8, 16]
     assert all(t > 0 for _, t in c.verify)
-    # The same again after a long prompt (one prefill shared by its runs), for Costs.at.
+    # The same after a long context (the pair's room: 1,024 - 256), for Costs.at: the short
+    # costs, each grown by its pass's growth on padded caches (never less).
     far = c.later
-    assert c.position == 32 and far.position == 512 and far.later is None
-    assert far.plain_step > 0 and far.draft_step > 0
+    assert c.position == 32 and far.position == 768 and far.later is None
+    assert far.plain_step >= c.plain_step > 0 and far.draft_step == c.draft_step
     assert [k for k, _ in far.verify] == [1, 2, 4, 8, 16]
+    assert all(f >= t for (_, f), (_, t) in zip(far.verify, c.verify, strict=True))
+
+
+def test_long_costs_add_each_widths_growth_to_the_short_ones(roomy_pair, monkeypatch):
+    """grown(): a pass of w rows after n positions costs what it cost after the short prompt
+    plus what a pass of w rows grows by there (timed on padded caches: here a fake clock of
+    1 us a row per 100 cached positions), and Costs.at prices further contexts on that line."""
+    seen = []
+
+    def pass_time(model, cache, width):
+        seen.append((width, caches.length(cache)))
+        return 1e-3 + 1e-6 * width * caches.length(cache) / 100
+
+    monkeypatch.setattr(measure, "_pass_time", pass_time)
+    short = Costs(0.010, 0.004, 0.001, ((1, 0.011), (2, 0.012), (4, 0.014), (16, 0.030)), 32)
+    far = measure.grown(roomy_pair, short, 732)
+    # every width on the short cache and the padded one, taking turns, a warm-up cycle first
+    assert sorted(set(seen)) == [(w, n) for w in (1, 2, 3, 5, 17) for n in (32, 732)]
+    assert len(seen) == 5 * 2 * 4
+    up = {w: 1e-6 * w * 7 for w in (1, 2, 3, 5, 17)}  # (732 - 32) / 100 = 7
+    assert far.position == 732 and far.draft_step == short.draft_step  # the draft reads a window
+    assert far.plain_step == pytest.approx(0.010 + up[1])
+    assert dict(far.verify) == pytest.approx({n: t + up[n + 1] for n, t in short.verify})
+    assert far.extra == pytest.approx(0.001 + (up[5] - up[1]) / 4)
+    at = replace(short, later=far).at(32 + 4 * 700)  # four times as far past the short prompt
+    assert at.pass_time(16) == pytest.approx(0.030 + 4 * up[17])
+
+
+def test_long_costs_read_no_long_prompt_where_caches_pad(roomy_pair, prefilled, monkeypatch):
+    padded = []
+    real = measure.growth
+    monkeypatch.setattr(measure, "growth", lambda *a, **k: padded.append(a[2]) or real(*a, **k))
+    calibrate(roomy_pair)
+    assert padded == [768] and max(prefilled) == 32  # only the short prompt was read
+
+
+def test_caches_that_cannot_be_padded_read_a_long_prompt(roomy_pair, prefilled, monkeypatch):
+    """Windows and recurrent states do not grow as full attention does: measured after a
+    prompt of PREFILL_LONG ids, as before."""
+    monkeypatch.setattr(measure, "growth", lambda *a, **k: None)
+    c = calibrate(roomy_pair)
+    assert c.later.position == measure.PREFILL_LONG and prefilled.count(measure.PREFILL_LONG) == 1
+
+
+def test_a_draft_that_reads_the_whole_prompt_grows_too(roomy_pair, monkeypatch):
+    grew = []
+    real = measure.growth
+    monkeypatch.setattr(measure, "growth", lambda *a, **k: grew.append(a[1]) or real(*a, **k))
+    short = Costs(0.010, 0.004, 0.001, ((1, 0.011), (4, 0.014)), 32)
+    monkeypatch.setattr(roomy_pair, "draft_context", 0)
+    far = measure.grown(roomy_pair, short, 600)
+    assert grew == [(1, 2, 5), (1,)] and far.draft_step >= short.draft_step
+    monkeypatch.setattr(roomy_pair, "draft_context", 128)
+    grew.clear()
+    assert measure.grown(roomy_pair, short, 600).draft_step == short.draft_step
+    assert grew == [(1, 2, 5)]
+
+
+@pytest.fixture()
+def padded(monkeypatch):
+    """The long contexts the target's costs were grown to from now on (measure.growth)."""
+    seen = []
+    real = measure.growth
+
+    def growth(model, widths, length, ids, reps=3):
+        if len(widths) > 1:  # the target's (a draft's is timed at one row)
+            seen.append(length)
+        return real(model, widths, length, ids, reps)
+
+    monkeypatch.setattr(measure, "growth", growth)
+    return seen
 
 
 @pytest.fixture()
@@ -267,15 +340,14 @@ def prefilled(monkeypatch):
     return seen
 
 
-def test_calibration_prefills_its_long_prompt_once(roomy_pair, prefilled):
+def test_calibration_prefills_its_prompt_once(roomy_pair, prefilled):
     """The draft model's rounds leave the prompt's states for the filler's runs to restore."""
     calibrate(roomy_pair)
-    assert sorted(prefilled, reverse=True)[:2] == [512, 32]  # once each, then restored
-    assert prefilled.count(512) == 1 and prefilled.count(0) == 4
+    assert prefilled.count(32) == 1 and prefilled.count(0) == 2  # once, then restored
 
 
 def test_the_long_measurement_is_kept_for_the_next_load(
-    roomy_pair, prefilled, monkeypatch, tmp_path
+    roomy_pair, prefilled, padded, monkeypatch, tmp_path
 ):
     import json
 
@@ -287,19 +359,19 @@ def test_the_long_measurement_is_kept_for_the_next_load(
     monkeypatch.setattr(cal, "KEEP_SPREAD", 100.0)
     first = calibrate(roomy_pair)
     (kept,) = (tmp_path / "costs").glob("*.json")
-    assert prefilled.count(512) == 1
+    assert padded == [768]
     again = calibrate(roomy_pair)  # the short context measured again, the long one read
-    assert prefilled.count(512) == 1 and prefilled.count(32) == 2
+    assert padded == [768] and prefilled.count(32) == 2
     assert again.later == first.later and again.later.later is None
     # Stale, damaged or switched off: measured again (and kept again, whole).
     data = json.loads(kept.read_text())
     data["measured"] -= (cal.KEEP_DAYS + 1) * 86400
     kept.write_text(json.dumps(data))
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 2 and json.loads(kept.read_text())["measured"] > data["measured"]
+    assert len(padded) == 2 and json.loads(kept.read_text())["measured"] > data["measured"]
     kept.write_text("{not json")
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 3
+    assert len(padded) == 3
     # Kept while the machine ran far slower (or faster): this load measures its own.
     monkeypatch.setattr(cal, "KEEP_SPREAD", 0.25)
     for factor in (1000.0, 0.001):
@@ -307,15 +379,15 @@ def test_the_long_measurement_is_kept_for_the_next_load(
         data["short_plain_step"] *= factor
         kept.write_text(json.dumps(data))
         calibrate(roomy_pair)
-    assert prefilled.count(512) == 5
+    assert len(padded) == 5
     monkeypatch.setenv("MACSPEC_KEEP_COSTS", "0")
     kept.unlink()
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 6 and not kept.exists()
+    assert len(padded) == 6 and not kept.exists()
 
 
 def test_costs_kept_under_other_cpu_kernels_are_measured_again(
-    roomy_pair, prefilled, monkeypatch, tmp_path
+    roomy_pair, padded, monkeypatch, tmp_path
 ):
     from macspec.api import kept_costs as cal
     from macspec.core import hooks
@@ -327,13 +399,13 @@ def test_costs_kept_under_other_cpu_kernels_are_measured_again(
     monkeypatch.setattr(cal, "KEEP_SPREAD", 100.0)
     calibrate(roomy_pair)
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 1
+    assert len(padded) == 1
     monkeypatch.setattr(STATE, "ext_build", "another build of the kernels")
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 2
+    assert len(padded) == 2
     monkeypatch.setattr(STATE, "repack_weights", not STATE.repack_weights)
     calibrate(roomy_pair)
-    assert prefilled.count(512) == 3
+    assert len(padded) == 3
 
 
 def test_a_short_context_pair_is_measured_once(pair):
@@ -589,3 +661,22 @@ def test_trees_say_why_they_run():
     tree = policy.decide()
     assert isinstance(tree.k, TreeShape) and tree.reason == "tree priced faster"
     assert tree.detail.endswith("x the best chain's speed")
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])  # sliding windows; recurrent
+def test_growth_refuses_caches_that_do_not_grow_as_full_attention(arch):
+    from support.archzoo import build_model, make_prompt
+
+    assert measure.growth(build_model(arch), (1, 2), 200, make_prompt()) is None
+
+
+def test_growth_times_a_padded_cache_and_leaves_the_model_as_it_was(roomy_pair):
+    ids = [(7 * i) % roomy_pair.vocab_size for i in range(1, 33)]
+    more = measure.growth(roomy_pair.target, (1, 3), 700, ids, reps=1)
+    assert set(more) == {1, 3} and all(v >= 0.0 for v in more.values())
+    # the padded passes ran over 700 positions: a fresh greedy answer is unchanged by them
+    prompt = "hello there"
+    a = macspec.generate(roomy_pair, prompt, max_tokens=8, temperature=0, speculative=False)
+    more = measure.growth(roomy_pair.target, (1,), 700, ids, reps=1)
+    b = macspec.generate(roomy_pair, prompt, max_tokens=8, temperature=0, speculative=False)
+    assert a.text == b.text
