@@ -168,9 +168,8 @@ class Kept(Protocol):
 
 
 # The context the long costs are priced at. Every pass and draft token reads all cached
-# positions, so costs grow with the context; measured at 512 ids that growth was within a
-# step's noise, and the policy, extrapolating it 30-fold, drafted 17-row copies after a
-# 16,384-id prompt (0.86x plain; docs/benchmarks.md, 2026-12-07).
+# positions, so costs grow with the context; at 512 ids that growth was within a step's noise,
+# and extrapolated to long prompts it mispriced wide passes (docs/drafting.md).
 FAR = 4096
 PREFILL_LONG = 512  # the long prompt read where caches cannot be padded (windows, recurrent)
 

@@ -323,9 +323,8 @@ inline mx::Stream cpu_stream() {
 
 // Room for n floats that this thread keeps for its next call, one per `Slot` (a use), neither
 // cleared nor shrunk; rooms over KEPT_BYTES are lent for the call only. A 512-id prompt chunk's
-// MLP rows (126 KB an id for the 1.5B target) pass 32 MiB, past which glibc's malloc maps fresh
-// pages at every call and the kernel zeroes each one: a 512-row layer took 1.5x a 256-row one
-// per row (docs/cpu.md, "Prompt chunks past 32 MiB of scratch").
+// MLP rows pass 32 MiB, past which glibc's malloc maps fresh pages at every call and the kernel
+// zeroes each one (docs/cpu.md, "Prompt chunks past 32 MiB of scratch").
 constexpr size_t KEPT_BYTES = size_t(128) << 20;
 
 template <int Slot>

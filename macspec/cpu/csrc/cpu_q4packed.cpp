@@ -317,9 +317,8 @@ void block_passes(const QProduct& p, const QuantizedX& xq, int b, const scale_el
 #endif
 
 // x's rows a tile: the passes over each of the chunk's weight blocks read the tile's rows, which
-// then stay in L2 while the blocks go by. Untiled, a 512-id prompt chunk's x (786 KB at 1,536
-// wide) spilled from a Zen 4 core's 1 MB of L2 with the weights: a row of the 1.5B target's
-// gate product cost 18% more than in a 256-row chunk (docs/cpu.md). Each y is computed as before.
+// then stay in L2 while the blocks go by; untiled, a 512-id prompt chunk's x spilled from a
+// 1 MB L2 beside the weights (docs/cpu.md). Each y is computed as before: the same bits.
 constexpr int X_TILE = 128;
 
 template <ScaleType T>
