@@ -54,8 +54,8 @@ class RoundEvent:
     speculative: bool
     draft_time: float  # until the drafts were ready (the verification graph is built meanwhile)
     verify_time: float  # from then until the target's verdict
-    round_time: float
-    plain_step_time: float
+    round_time: float  # from the last round's readout to this one's
+    plain_step_time: float  # plain decoding's seconds a token at this context (0: unknown)
     finish_reason: str | None
     comm_time: float = 0.0  # distributed target: seconds of this round spent communicating
     stats: GenerationStats | None = None
@@ -66,7 +66,7 @@ class RoundEvent:
 
     @property
     def speedup(self) -> float | None:
-        """This round against plain decoding: its tokens x one plain step / its time."""
+        """This round against plain decoding: its tokens x a plain step here / its time."""
         if not self.emitted or self.round_time <= 0 or self.plain_step_time <= 0:
             return None
         return len(self.emitted) * self.plain_step_time / self.round_time
@@ -88,7 +88,9 @@ class GenerationStats:
     verify_time: float
     total_time: float  # decoding time after the prompt
     tokens_per_second: float  # generated_tokens / total_time
-    plain_step_time: float  # measured seconds of one plain target step
+    # Plain decoding's seconds a token over this answer's contexts (the mean of its rounds'
+    # plain_step_time, loop.Timing): 0.0 where no plain step is known.
+    plain_step_time: float
     seed: int
     cached_tokens: int = (
         0  # prompt ids restored from the prompt cache (core/caches/prompt_cache.py)
@@ -174,7 +176,8 @@ class _StatsCounter:
         self.reasons = reasons  # the adaptive policy's decisions (None: a fixed K)
         self.rounds = self.spec_rounds = self.spec_emitted = self.generated = 0
         self.draft_time = self.verify_time = self.total_time = self.prefill_time = 0.0
-        self.plain_step_time = 0.0
+        self.plain_time = 0.0  # plain decoding's seconds for the tokens of rounds that know it
+        self.priced = 0  # those tokens
         self.cached_tokens = 0
         self.drafted_at: list[int] = []
         self.accepted_at: list[int] = []
@@ -188,7 +191,9 @@ class _StatsCounter:
         self.draft_time += r.draft_time
         self.verify_time += r.verify_time
         self.total_time += r.round_time
-        self.plain_step_time = r.plain_step_time
+        if r.plain_step_time > 0:
+            self.plain_time += emitted * r.plain_step_time
+            self.priced += emitted
         arm = self.arms.setdefault((r.drafter or "plain", r.num_draft), [0, 0])
         arm[0], arm[1] = arm[0] + 1, arm[1] + emitted
         if r.num_draft:
@@ -220,7 +225,7 @@ class _StatsCounter:
             verify_time=self.verify_time,
             total_time=self.total_time,
             tokens_per_second=self.generated / self.total_time if self.total_time else 0.0,
-            plain_step_time=self.plain_step_time,
+            plain_step_time=self.plain_time / self.priced if self.priced else 0.0,
             seed=self.seed,
             cached_tokens=self.cached_tokens,
             arms=tuple(
@@ -416,6 +421,7 @@ def open_stream(
         pair.timing,
         pair.prompt_cache if pair.group is None else None,
         progress,
+        pair.costs,
     )
     sampling = Sampling(opts.sampling, mx.random.key(seed), constraint, opts.top_logprobs)
     limits = Limits(opts.max_tokens, frozenset(pair.eos_token_ids), pair.context_length)

@@ -28,7 +28,7 @@ from .caches import Hit, PromptCache
 from .constraint import Constraint
 from .drafters.base import Drafter
 from .logprobs import TokenLogprob, token_logprobs
-from .policy import Label, Policy
+from .policy import Costs, Label, Policy
 from .round import Feed, Step, Verdict, Verified, chain_round, tree_round
 from .sampling import SamplingOptions
 from .target import Target
@@ -50,7 +50,7 @@ class Round:
     draft_time: float
     verify_time: float
     round_time: float
-    plain_step_time: float  # current estimate of one plain target step on this machine
+    plain_step_time: float  # plain decoding's seconds a token at this context (0: unknown)
     finish_reason: str | None  # "stop", "length", "context" or None
     prefill_time: float = 0.0  # prompt processing, reported with the first round
     rows: int = 1  # ids the target's pass verified (a chain: drafts + 1; a tree: its nodes + 1)
@@ -67,18 +67,28 @@ Sent = int | Verified | None
 
 
 class Timing:
-    """Measured cost of one plain target step, kept across generations of a loaded pair:
-    the median of the latest plain steps, so one slow step (a busy machine) does not swing it."""
+    """Plain decoding's seconds a token on this machine, kept across a loaded pair's
+    generations: the latest plain steps that ran as plain decoding runs (their pass launched
+    before the last id was read), each timed from one readout to the next, so what the caller
+    did with a round is in it, as it is in every round's time. Each is kept with the context
+    it read: `plain_step` carries them to another context by the pair's measured costs."""
 
     def __init__(self, window: int = 16) -> None:
-        self.recent: deque[float] = deque(maxlen=window)
+        self.recent: deque[tuple[int, float]] = deque(maxlen=window)  # (position, seconds)
 
-    @property
-    def plain_step(self) -> float | None:
-        return median(self.recent) if self.recent else None
+    def plain_step(self, position: int, costs: Costs | None = None) -> float | None:
+        """A plain step's seconds after `position` cached ids: the median of the latest ones,
+        each grown (or shrunk) as `costs` price a step from its context to this one; with none
+        observed yet, the costs' own step there; None without either."""
+        if not self.recent:
+            return costs.at(position).plain_step if costs is not None else None
+        if costs is None:
+            return median(s for _, s in self.recent)
+        here = costs.at(position).plain_step
+        return median(s * here / costs.at(p).plain_step for p, s in self.recent)
 
-    def observe_plain_step(self, seconds: float) -> None:
-        self.recent.append(seconds)
+    def observe_plain_step(self, seconds: float, position: int) -> None:
+        self.recent.append((position, seconds))
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,7 @@ class Engine:
     # Told (ids read, ids to read, ids of them the prompt cache held) as a long prompt is read:
     # a chat says how far it is, a server streams it (llama.cpp's prompt_progress).
     progress: Callable[[int, int, int], None] | None = None
+    costs: Costs | None = None  # the pair's measured costs: a plain step at another context
 
 
 @dataclass(frozen=True)
@@ -167,8 +178,9 @@ def rounds(
             steady = False
             shared = share is not None and _shares(e.target, k, share)
             alone = share is None or share.company() == 1  # (may launch the next pass)
-            # A launched pass has run since the last ids were read: its time is this round's.
-            t0 = ready if e.target.ahead is not None and not shared else perf_counter()
+            # A round alone is timed from the last readout, as a plain step run ahead must be
+            # (its pass began before): what the caller did in between counts alike for both.
+            t0 = ready if alone and not shared else perf_counter()
             launch = alone and e.target.takes_lazy_ids and room > 1  # a plain step's next pass
             step = Step(history[-1], k, dist, subkey, t0, launch, seen)
             v = yield from _verify(e, step, shared)
@@ -178,7 +190,8 @@ def rounds(
             if sampling.constraint is not None:
                 sampling.constraint.commit(emitted)  # always allowed: drawn from masked rows
             steady = True
-            r = _round(v, emitted, finish, ready - t0, e.timing)
+            plain = e.timing.plain_step(len(history) - len(ids) - 1, e.costs)
+            r = _round(v, emitted, finish, ready - t0, plain or 0.0)
             if not generated:
                 r.prefill_time, r.cached_tokens = opening
             r.logprobs = None if lps is None else lps[: len(emitted)]
@@ -215,9 +228,11 @@ def _verify(e: Engine, step: Step, shared: bool) -> Generator[Bid | Feed, Sent, 
         v = yield from chain_round(e.target, e.drafter, step, shared=True)
     else:
         ahead = step.launch and (e.drafter is None or e.policy.expects_plain())
+        # A step whose pass the last one launched runs as plain decoding does: its pace.
+        running, position = e.target.ahead is not None, e.target.offset
         v = yield from chain_round(e.target, e.drafter, replace(step, launch=ahead))
-        if not step.k:
-            e.timing.observe_plain_step(v.verify_time)
+        if not step.k and running:
+            e.timing.observe_plain_step(v.verify_time, position)
     if not isinstance(step.k, TreeShape) and step.k:
         e.policy.observe(len(v.drafts), v.n)
     if not shared:  # less the drafter's catch-up after plain steps (the stretch before it)
@@ -412,9 +427,7 @@ def _stop(
     return emitted, None
 
 
-def _round(
-    v: Verdict, emitted: list[int], finish: str | None, seconds: float, timing: Timing
-) -> Round:
+def _round(v: Verdict, emitted: list[int], finish: str | None, seconds: float, plain: float) -> Round:
     """The Round the loop yields (the first round's prefill and cached ids, and the log
     probabilities, are filled in by the loop)."""
     return Round(
@@ -427,7 +440,7 @@ def _round(
         draft_time=v.draft_time,
         verify_time=v.verify_time,
         round_time=seconds,
-        plain_step_time=timing.plain_step or seconds,
+        plain_step_time=plain,
         finish_reason=finish,
         drafter=v.drafter,
     )

@@ -20,7 +20,7 @@ from .caches import DraftState, PromptCache
 from .drafters.base import Drafter, Proposal
 from .drafters.hybrid import HybridDrafter
 from .loaded import LoadedPair
-from .loop import Engine, Limits, Round, Sampling, generate_rounds
+from .loop import Engine, Limits, Round, Sampling, Timing, generate_rounds
 from .policy import Costs, Label, Policy
 from .sampling import Distribution, SamplingOptions
 from .sharded import guard, make_target
@@ -78,7 +78,8 @@ class _Runs:
         """The first (plain) step, then one round per entry of ks (0 = plain)."""
         max_tokens = 1 + sum(n + 1 for n in ks)  # room for every round, whatever is accepted
         target = make_target(self.pair, drafter)
-        engine = Engine(target, drafter, _Schedule(ks), self.pair.timing, self.kept)
+        # Timed apart from the pair's Timing: plain decoding's pace is what its real steps show.
+        engine = Engine(target, drafter, _Schedule(ks), Timing(), self.kept)
         prompt = self.ids[: max(2, min(len(self.ids), self.context - max_tokens - 1))]
         limits = Limits(max_tokens, frozenset(), self.context)
         steps = generate_rounds(
