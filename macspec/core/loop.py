@@ -427,7 +427,9 @@ def _stop(
     return emitted, None
 
 
-def _round(v: Verdict, emitted: list[int], finish: str | None, seconds: float, plain: float) -> Round:
+def _round(
+    v: Verdict, emitted: list[int], finish: str | None, seconds: float, plain: float
+) -> Round:
     """The Round the loop yields (the first round's prefill and cached ids, and the log
     probabilities, are filled in by the loop)."""
     return Round(
