@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
-from statistics import median
+from statistics import fmean
 from time import perf_counter
 
 import mlx.core as mx
@@ -73,19 +73,21 @@ class Timing:
     did with a round is in it, as it is in every round's time. Each is kept with the context
     it read: `plain_step` carries them to another context by the pair's measured costs."""
 
-    def __init__(self, window: int = 16) -> None:
+    def __init__(self, window: int = 64) -> None:
         self.recent: deque[tuple[int, float]] = deque(maxlen=window)  # (position, seconds)
 
     def plain_step(self, position: int, costs: Costs | None = None) -> float | None:
-        """A plain step's seconds after `position` cached ids: the median of the latest ones,
-        each grown (or shrunk) as `costs` price a step from its context to this one; with none
-        observed yet, the costs' own step there; None without either."""
+        """A plain step's seconds after `position` cached ids: the mean of the latest ones, each
+        grown (or shrunk) as `costs` price a step from its context to this one; with none
+        observed yet, the costs' own step there; None without either. The mean, as a wall
+        clock adds them: plain steps amid drafting come in pairs of short and long ones (a
+        launched pass runs on while a round is read), whose median is neither."""
         if not self.recent:
             return costs.at(position).plain_step if costs is not None else None
         if costs is None:
-            return median(s for _, s in self.recent)
+            return fmean(s for _, s in self.recent)
         here = costs.at(position).plain_step
-        return median(s * here / costs.at(p).plain_step for p, s in self.recent)
+        return fmean(s * here / costs.at(p).plain_step for p, s in self.recent)
 
     def observe_plain_step(self, seconds: float, position: int) -> None:
         self.recent.append((position, seconds))

@@ -33,9 +33,9 @@ def test_a_plain_step_is_carried_to_another_context_by_the_costs():
     assert timing.plain_step(2048, COSTS) == pytest.approx(0.06)
     assert timing.plain_step(0, COSTS) == pytest.approx(0.03)
     timing.observe_plain_step(0.05, 2048)  # 1.25x there
-    timing.observe_plain_step(0.04, 2048)  # 1.0x: the median of the three is 1.25x
-    assert timing.plain_step(4096, COSTS) == pytest.approx(0.075)
-    assert timing.plain_step(0, COSTS) == pytest.approx(0.025)
+    timing.observe_plain_step(0.02, 2048)  # 0.5x: the mean of the three is 1.0833x
+    assert timing.plain_step(4096, COSTS) == pytest.approx(0.06 * 3.25 / 3)
+    assert timing.plain_step(0, COSTS) == pytest.approx(0.02 * 3.25 / 3)
 
 
 def _decode(pair, k, max_tokens, timing, pause=0.0):
