@@ -53,7 +53,10 @@ SOURCES = (
 )
 HEADERS = tuple(
     SOURCE_DIR / f"{n}.h"
-    for n in ("common", "layer", "kv", "linear", "block", "vec16", "quant", "qdot", "qint8")
+    for n in (
+        *("common", "layer", "kv", "linear", "block", "vec16", "quant", "qdot", "qint8"),
+        "attend_keys",
+    )
 )
 MODULE = "_macspec_cpu"
 # Compilers run at once at most (each may take ~1 GB of memory on the larger sources).
