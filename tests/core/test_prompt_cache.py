@@ -99,6 +99,24 @@ def test_interleaved_generations_from_one_entry(arch_pair, speculative):
     assert out == [fresh(pair, a), fresh(pair, b)]
 
 
+def test_a_plain_entry_serves_a_draft_model_which_reads_the_prompt_itself(arch_pair):
+    """An answer decoded plainly keeps the target's states only; a draft model's answer next
+    (a chat's K 0, then the default; a server's plain and speculative clients) restores them,
+    its draft reading the prompt on its own, and gives the tokens a fresh prefill gives."""
+    _, pair = arch_pair
+    prompt = archzoo.make_prompt(11)
+    for context in (0, 4):  # the draft reads the whole prompt, or its last 4 ids
+        cache = PromptCache()
+        first = run(pair, prompt, cache, speculative=False)
+        turn = prompt + first.tokens + archzoo.make_prompt(12, 6)
+        pair.draft_context = context
+        got = run(pair, turn, cache)
+        assert got.tokens == fresh(pair, turn)
+        assert got.stats.drafted > 0
+        assert got.stats.cached_tokens == len(prompt) + len(first.tokens) - 1
+    pair.draft_context = 0
+
+
 @pytest.fixture(scope="module")
 def eagle_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle-cache")

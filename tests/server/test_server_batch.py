@@ -13,6 +13,7 @@ import pytest
 
 import macspec
 from macspec.api.options import GenerationOptions
+from macspec.api.stream import prompt_ids
 from macspec.server.batching import BatchScheduler, alone_reason
 from macspec.server.command import serving
 
@@ -136,3 +137,37 @@ def test_constrained_and_logprob_requests_take_turns_beside_a_batch(pair):
     want = alone(pair, [(t, o) for (t, _), o in zip(requests, options, strict=True)], 24)
     assert together == want and together[2].startswith("the ")
     assert health["batched"] is True and health["requests_taking_turns"] == 2
+
+
+def test_clients_in_one_pass_resume_from_a_plain_answers_states(pair):
+    """A plain answer keeps the target's states only; two speculative clients at once, in one
+    pass, restore them, their draft model reading the prompt in its own turns, and get what
+    each gets alone."""
+    pair.prompt_cache.clear()
+    first = [{"role": "user", "content": "tell me about the green box and the old road"}]
+    with serving(pair, parallel=4) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        plain = client.chat.completions.create(
+            model=pair.target_path.name,
+            messages=first,
+            max_tokens=24,
+            temperature=0.0,
+            extra_body={"speculative": False},
+        )
+        said = {"role": "assistant", "content": plain.choices[0].message.content}
+        turns = [[*first, said, {"role": "user", "content": w}] for w in ("and then?", "why?")]
+
+        def ask(messages):
+            answer = client.chat.completions.create(
+                model=pair.target_path.name, messages=messages, max_tokens=32, temperature=0.0
+            )
+            return answer.choices[0].message.content, answer.usage
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ask, turns))
+        health = httpx.get(url + "/health").json()
+    assert health["shared_passes"] > 0
+    for (text, usage), messages in zip(got, turns, strict=True):
+        assert text == macspec.generate(pair, messages=messages, max_tokens=32).text
+        assert usage.prompt_tokens_details.cached_tokens >= len(prompt_ids(pair, messages=first))
+        assert usage.model_extra["speculative"]["drafted"] > 0

@@ -148,6 +148,7 @@ class Resumable(Protocol):
     here so that the caches, which the drafters import, import no drafter)."""
 
     state_kind: str | None | bool  # the kind of state it keeps; False: it cannot resume
+    rebuilds_from_ids: bool  # it can start from the prompt's ids alone (a draft model)
 
     def snapshot(self) -> DraftState | None: ...
 
@@ -162,19 +163,25 @@ class Entry:
     reach: tuple[int, int] = _EMPTY  # lengths the target's state can be restored to
     draft_reach: tuple[int, int] = _EMPTY  # and the drafter's
 
-    def target_length(self, common: int, kind: str | None, limit: int) -> int:
+    def target_length(self, common: int, kind: str | None, limit: int, rebuilds: bool) -> int:
         """The most ids this entry restores for a prompt that shares `common` ids with it (at
         most `limit`); 0: none. A drafter that reads the target's features (EAGLE) must be
-        restored to the same length; a draft model catches up on its own (`draft_length`)."""
+        restored to the same length; a draft model catches up on its own (`draft_length`), and
+        one that `rebuilds` from the ids takes the target's states without its own (an entry
+        of plain decoding's: the draft then reads the prompt itself)."""
         lo, hi = self.reach
         hi = min(hi, common, limit)
-        if kind is not None:
-            if self.draft is None or self.draft.kind != kind:
+        if kind is not None and not self.holds(kind):
+            if not rebuilds:
                 return 0
-            if not self.draft.catches_up:
-                lo = max(lo, self.draft_reach[0])
-                hi = min(hi, self.draft_reach[1], common - self.draft.lookahead)
+        elif kind is not None and not self.draft.catches_up:
+            lo = max(lo, self.draft_reach[0])
+            hi = min(hi, self.draft_reach[1], common - self.draft.lookahead)
         return hi if hi >= max(lo, 1) else 0
+
+    def holds(self, kind: str) -> bool:
+        """Whether the entry keeps a drafter's state of this kind."""
+        return self.draft is not None and self.draft.kind == kind
 
     def draft_length(self, common: int, n: int) -> int:
         """Where the drafter resumes when the target resumes at n (0: from the start)."""
@@ -240,13 +247,14 @@ class PromptCache:
         if kind is False:
             return None
         want = np.asarray(prompt, dtype=np.int64)
+        rebuilds = drafter is not None and drafter.rebuilds_from_ids
         with self._lock:
             best, best_len, best_common = None, 0, 0
             for key, e in reversed(self._entries.items()):
                 if e.spare < max_step:
                     continue
                 common = _common(e.ids, want)
-                n = e.target_length(common, kind, len(prompt) - 1)
+                n = e.target_length(common, kind, len(prompt) - 1, rebuilds)
                 if n > best_len:
                     best, best_len, best_common = key, n, common
             if best is None:
@@ -254,7 +262,7 @@ class PromptCache:
             self._entries.move_to_end(best)
             e = self._entries[best]
             hit = Hit(best_len, copy_cache(e.target, best_len), None)
-            if kind is not None:
+            if kind is not None and e.holds(kind):
                 hit.draft_length = e.draft_length(best_common, best_len)
                 if hit.draft_length:
                     hit.draft = _restore_draft(e.draft, hit.draft_length)

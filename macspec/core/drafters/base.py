@@ -48,6 +48,9 @@ class Drafter:
     # The prompt cache: the kind of state snapshot() gives (None: nothing kept, the state is
     # rebuilt from the ids by resume()); False: it cannot resume, the prompt cache is off.
     state_kind: str | None | bool = False
+    # Whether it can start from a prompt's ids alone (a draft model): the prompt cache then
+    # restores the target from an entry that kept no state of this drafter's (plain decoding's).
+    rebuilds_from_ids: bool = False
 
     def start(self, prompt: list[int], hidden: mx.array | None = None, max_step: int = 1) -> None:
         """Begin a sequence whose context is `prompt` (the target holds all but its last token).

@@ -40,6 +40,10 @@ class HybridDrafter(Drafter):
     def state_kind(self) -> str | None | bool:
         return self.model.state_kind
 
+    @property
+    def rebuilds_from_ids(self) -> bool:
+        return self.model.rebuilds_from_ids
+
     def snapshot(self) -> DraftState | None:
         return self.model.snapshot() if self.state_kind is not None else None
 

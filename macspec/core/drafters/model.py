@@ -62,6 +62,7 @@ class ModelDrafter(Drafter):
             self.head = self.pruned.with_context(prompt)
 
     state_kind = "model"
+    rebuilds_from_ids = True  # resume(None, ...) reads the prompt's end afresh
 
     def snapshot(self) -> DraftState:
         held = self._start + caches.length(self.cache)
