@@ -442,8 +442,9 @@ def write_chart(costs: dict[str, Any], path: str) -> None:
     state = "in use" if costs["native"].startswith("in use") else "off"
     ax.set_title(f"One forward pass of {Path(costs['model']).name} (native products {state})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=5, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # bbox_inches: the legend below and the labels past the bars, whatever the rows (a
+    # tight_layout could not fit them for one or two row counts)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
