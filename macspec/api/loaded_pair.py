@@ -98,11 +98,10 @@ class Pair:
             note += f", verifying {widest[0]} drafts {widest[1] / c.plain_step:.2f}x that"
         far = c.later
         if far is not None and far.verify:
-            note += f" ({far.plain_step * 1000:.0f} ms and "
-            note += f"{far.verify[-1][1] / far.plain_step:.2f}x after {far.position} tokens"
+            note += f"; after {far.position:,} tokens a plain step {far.plain_step * 1000:.0f} ms, "
+            note += f"{far.verify[-1][0]} drafts {far.verify[-1][1] / far.plain_step:.2f}x"
             if far.measured < c.measured:  # measured before the short one: an earlier load
-                note += time.strftime(", kept from %Y-%m-%d %H:%M", time.localtime(far.measured))
-            note += ")"
+                note += time.strftime(" (kept from %Y-%m-%d %H:%M)", time.localtime(far.measured))
         return note
 
     def make_drafter(self, adaptive: bool = True) -> Drafter | None:

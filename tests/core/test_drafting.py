@@ -593,13 +593,13 @@ def test_the_calibration_note_says_both_contexts(pair, monkeypatch):
     monkeypatch.setattr(pair, "costs", GROWING)
     monkeypatch.setattr(pair, "calibration_time", 3.0)
     assert pair.calibration_note() == (
-        "measured this machine in 3.0s: a plain step 1000 ms, verifying 4 drafts 1.60x that "
-        "(1500 ms and 2.00x after 544 tokens)"
+        "measured this machine in 3.0s: a plain step 1000 ms, verifying 4 drafts 1.60x that; "
+        "after 544 tokens a plain step 1500 ms, 4 drafts 2.00x"
     )
     # A long measurement read from an earlier load says when it was made.
     monkeypatch.setattr(pair, "costs", replace(GROWING, measured=1e9))
     assert pair.calibration_note().endswith(
-        time.strftime("after 544 tokens, kept from %Y-%m-%d %H:%M)", time.localtime(0))
+        time.strftime("4 drafts 2.00x (kept from %Y-%m-%d %H:%M)", time.localtime(0))
     )
 
 
