@@ -19,7 +19,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.message import Message
 from textual.reactive import reactive
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Footer, Header, Static
 
 from ..api.mlx_thread import MlxThread
 from ..api.options import DEFAULTS, NAMES
@@ -29,10 +29,12 @@ from .widgets import (
     AcceptChart,
     Conversation,
     Legend,
+    PromptBox,
     ReadingBar,
     ReplyView,
     SettingsPanel,
     StatsPanel,
+    shortened,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +164,9 @@ class ChatApp(App):
                 yield SettingsPanel(id="settings")
         yield ReadingBar(id="reading", eta=self.timings)
         yield Static("", id="status")
-        yield Input(placeholder="Message (Enter sends, Esc stops)", id="prompt")
+        yield PromptBox(
+            placeholder="Message (Enter sends, ctrl+j a new line, Esc stops)", id="prompt"
+        )
         yield Footer()
 
     def on_mount(self) -> None:
@@ -177,7 +181,7 @@ class ChatApp(App):
         self._show_settings()
         if self.pair.calibration_time and self.timings:  # load() measured the machine: say so
             self._status(self.pair.calibration_note())
-        self.query_one("#prompt", Input).focus()
+        self.query_one("#prompt", PromptBox).focus()
 
     def _show_settings(self) -> None:
         self._settings.options = dict(self.options)
@@ -206,20 +210,20 @@ class ChatApp(App):
             message = f"error: {error}"
         self.conversation.add(Text(message), "error")
 
-    @on(Input.Submitted, "#prompt")
-    def _submitted(self, event: Input.Submitted) -> None:
+    @on(PromptBox.Submitted, "#prompt")
+    def _submitted(self, event: PromptBox.Submitted) -> None:
         message = event.value.strip()
         if not message:
             return
         if self.busy:
             self._status("still answering: Esc stops it")
             return
-        event.input.value = ""
+        event.box.clear()
         self.send(message)
 
     def send(self, message: str) -> None:
         """Add a user message and start answering it."""
-        self.conversation.add(Text(message), "user")
+        self.conversation.add(Text(shortened(message)), "user")
         self.history.append({"role": "user", "content": message})
         self.reply = Reply(linger=self.rejected_linger)
         self.reply_view = self.conversation.add_reply(self.reply)
@@ -361,7 +365,7 @@ class ChatApp(App):
             self.conversation.add(Text(f"system: {self.system}"), "system")
         self._show_progress(None)
         self._status("new conversation")
-        self.query_one("#prompt", Input).focus()
+        self.query_one("#prompt", PromptBox).focus()
 
     def action_toggle_rejected(self) -> None:
         self.show_rejected = not self.show_rejected

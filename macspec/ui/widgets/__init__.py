@@ -5,6 +5,7 @@ from __future__ import annotations
 from .chart import AcceptChart
 from .conversation import Conversation
 from .legend import STYLES, Legend
+from .prompt import PromptBox, shortened
 from .reading import ReadingBar
 from .reply import ReplyView
 from .settings import SettingsPanel
@@ -15,8 +16,10 @@ __all__ = [
     "AcceptChart",
     "Conversation",
     "Legend",
+    "PromptBox",
     "ReadingBar",
     "ReplyView",
     "SettingsPanel",
     "StatsPanel",
+    "shortened",
 ]
