@@ -94,7 +94,10 @@ class Hooks:
     - rows_layer(layer, x, caches): a decoder layer's output in a shared pass (batch.py), the
       block x (B, W, hidden), row r fed after its own cache caches[r] (its padding after its
       real ids), each row's real ids getting the bits they get alone; None where the
-      accelerator cannot (the core then runs each row's attention through the module)."""
+      accelerator cannot (the core then runs each row's attention through the module);
+    - prefill_chunk: the ids a prompt is read in at a time (caches.prefill, Target.start):
+      one size wherever a prompt is read, so the same chunks give the same bits; it divides
+      loop.READ_CHUNK, the turns a reported reading takes."""
 
     name: str = "mlx"
     softmax: Callable[..., mx.array] = _softmax
@@ -110,6 +113,7 @@ class Hooks:
     alike_rows: Callable[[nn.Module], int | None] = _mlx_rows
     rows_layer: Callable[[nn.Module, mx.array, list], mx.array | None] = _rows_by_module
     stock_class: Callable[[nn.Module], type] = _own_class
+    prefill_chunk: int = 512
 
 
 _installed = Hooks()
@@ -124,6 +128,10 @@ def install(hooks: Hooks) -> Hooks:
 
 def installed() -> Hooks:
     return _installed
+
+
+def prefill_chunk() -> int:
+    return _installed.prefill_chunk
 
 
 def softmax(x: mx.array, temperature: float = 1.0) -> mx.array:

@@ -272,8 +272,9 @@ def _max_step(e: Engine) -> int:
 
 
 # A generation whose reading is reported (Engine.progress) reads its target's prompt in turns of
-# caches.prefill's own chunk, from the same first id: the same chunks, so the same bits.
-READ_CHUNK = caches.PREFILL_CHUNK
+# this many ids from the same first id, each turn in hooks.prefill_chunk's chunks (which divide
+# it): the chunks, and so the bits, of a reading at once.
+READ_CHUNK = 512
 
 
 class _Turns:

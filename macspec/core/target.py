@@ -50,7 +50,7 @@ class Target:
         done = caches.length(self.cache) if cache is not None else 0
         if self.keep_hidden:
             body, chunks = prompt[done:-1], []
-            step = caches.PREFILL_CHUNK  # chunked, as prefill(): bounded graphs
+            step = hooks.prefill_chunk()  # chunked, as prefill(): bounded graphs
             for i in range(0, len(body), step):
                 ids = mx.array(body[i : i + step])
                 with caches.forward(self.cache, ids.size):

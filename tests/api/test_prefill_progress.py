@@ -95,3 +95,14 @@ def test_an_exception_from_on_prefill_ends_the_generation_and_the_pair_goes_on(p
     _fresh(pair)
     plain = macspec.generate(pair, prompt=ids, max_tokens=8, temperature=0, speculative=False)
     assert after.tokens == plain.tokens
+
+
+def test_the_turns_are_whole_chunks_of_every_backends_reading():
+    """A reported reading's turns start where a reading at once has a chunk start, on every
+    backend's chunk (hooks.prefill_chunk: the CPU's, mlx's default), so its bits are the same."""
+    from macspec import cpu
+    from macspec.core import hooks
+
+    for chunk in (hooks.Hooks().prefill_chunk, cpu.HOOKS.prefill_chunk):
+        assert READ_CHUNK % chunk == 0
+    assert hooks.prefill_chunk() == (cpu.HOOKS if cpu.installed() else hooks.Hooks()).prefill_chunk

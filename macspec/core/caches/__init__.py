@@ -5,7 +5,6 @@ from .prompt_cache import DraftState, Hit, PromptCache
 from .recurrent import RecurrentCache
 from .rewind import (
     EXACT_KINDS,
-    PREFILL_CHUNK,
     TRIMMABLE,
     check,
     describe_kinds,
@@ -23,7 +22,6 @@ from .window import WindowKVCache
 
 __all__ = [
     "EXACT_KINDS",
-    "PREFILL_CHUNK",
     "TRIMMABLE",
     "DraftState",
     "Hit",

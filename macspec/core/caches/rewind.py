@@ -38,6 +38,7 @@ from mlx_lm.models.cache import (
 )
 
 from ...base.errors import CacheError, ModelError
+from .. import hooks
 from ..memory import clear_on_gpu
 from .recurrent import RecurrentCache, _active, _hook
 from .window import WindowKVCache
@@ -175,13 +176,10 @@ def state_arrays(cache: list) -> list:
     return out
 
 
-# Ids a prompt is read in at a time (prefill, Target.start, and a generation whose reading is
-# reported, core/loop.py): one size, so that the same chunks, and so the same bits, come out.
-PREFILL_CHUNK = 512
-
-
-def prefill(model: nn.Module, cache: list, tokens: list[int], step: int = PREFILL_CHUNK) -> None:
-    """Feed `tokens` into `cache` in chunks, so long prompts do not build one huge graph."""
+def prefill(model: nn.Module, cache: list, tokens: list[int], step: int | None = None) -> None:
+    """Feed `tokens` into `cache` in chunks (hooks.prefill_chunk ids unless `step`), so long
+    prompts do not build one huge graph."""
+    step = step or hooks.prefill_chunk()
     for i in range(0, len(tokens), step):
         chunk = tokens[i : i + step]
         with forward(cache, len(chunk)):
