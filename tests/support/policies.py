@@ -1,10 +1,21 @@
 """A stand-in inner policy for observed.Observed (core/observed.py), whose own choices the tests
-inject round times into; a plain softmax distribution for drafters tested alone."""
+inject round times into; an adaptive policy with a long history; a plain softmax distribution
+for drafters tested alone."""
 
 import mlx.core as mx
 
-from macspec.core.policy import Policy
+from macspec.core.adaptive import AdaptiveK
+from macspec.core.policy import Costs, Policy
 from macspec.core.sampling import Distribution, SamplingOptions
+from macspec.core.tally import Tally
+
+
+def policy_at(alpha: float, costs: Costs) -> AdaptiveK:
+    """A policy that has seen a long history at acceptance alpha on position 1 (and, with no
+    data, the later positions borrow it)."""
+    policy = AdaptiveK(k_max=8, costs=costs)
+    policy.arm(None).positions = [Tally(0.9, alpha * 1e9, 1e9)]
+    return policy
 
 
 class Softmax(Distribution):
