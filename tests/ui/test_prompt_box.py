@@ -65,6 +65,22 @@ async def test_enter_sends_and_ctrl_j_starts_a_new_line(chat_pair):
         assert app.history[0] == {"role": "user", "content": "first\nsecond"}
 
 
+@aio
+async def test_a_new_line_keeps_its_place_among_keys_that_come_at_once(chat_pair):
+    """A terminal's burst (keys typed fast, or sent together): the new line lands between the
+    keys before and after it, not after them all."""
+    app = create_app(chat_pair, **OPTIONS, timings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        box = app.query_one("#prompt", PromptBox)
+        box.focus()
+        await pilot.pause()
+        keys = [*"ab", "ctrl+j", *"cd"]
+        for key in keys:  # posted together, as the driver posts a burst
+            app.post_message(events.Key(key, key if len(key) == 1 else None))
+        await pilot.pause()
+        assert box.text == "ab\ncd"
+
+
 def test_a_short_message_is_shown_as_it_is():
     text = "\n".join(str(i) for i in range(SHOWN_LINES))
     assert shortened(text) == text

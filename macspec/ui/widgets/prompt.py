@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual import events
-from textual.binding import Binding
 from textual.message import Message
 from textual.widgets import TextArea
 
@@ -29,8 +28,6 @@ class PromptBox(TextArea):
     terminal tells it from Enter, starts a new line; a paste keeps its newlines. The box grows
     with its text up to its style's max-height, then scrolls."""
 
-    BINDINGS = [Binding("ctrl+j,shift+enter", "newline", "New line", show=False)]
-
     @dataclass
     class Submitted(Message):
         """Enter in the box: its whole text (the box is left as it is; the app clears it)."""
@@ -47,12 +44,14 @@ class PromptBox(TextArea):
         self.highlight_cursor_line = False
 
     async def _on_key(self, event: events.Key) -> None:
-        if event.key == "enter":  # (TextArea would insert a newline)
+        # Here, not in BINDINGS: a binding's action runs after the keys that came with it (a
+        # terminal's burst), which would land before the new line.
+        if event.key in ("enter", "ctrl+j", "shift+enter"):
             event.stop()
             event.prevent_default()
-            self.post_message(self.Submitted(self, self.text))
+            if event.key == "enter":  # (TextArea would insert a newline)
+                self.post_message(self.Submitted(self, self.text))
+            else:
+                self.replace("\n", *self.selection, maintain_selection_offset=False)
             return
         await super()._on_key(event)
-
-    def action_newline(self) -> None:
-        self.insert("\n", maintain_selection_offset=False)
