@@ -83,11 +83,11 @@ class Timing:
         clock adds them: plain steps amid drafting come in pairs of short and long ones (a
         launched pass runs on while a round is read), whose median is neither."""
         if not self.recent:
-            return costs.at(position).plain_step if costs is not None else None
+            return costs.plain_at(position) if costs is not None else None
         if costs is None:
             return fmean(s for _, s in self.recent)
-        here = costs.at(position).plain_step
-        return fmean(s * here / costs.at(p).plain_step for p, s in self.recent)
+        here = costs.plain_at(position)
+        return fmean(s * here / costs.plain_at(p) for p, s in self.recent)
 
     def observe_plain_step(self, seconds: float, position: int) -> None:
         self.recent.append((position, seconds))

@@ -79,22 +79,33 @@ class Costs:
         """These costs after `position` cached tokens: each one linear in the context length
         through the two measured contexts (extended past the long one), never below the short
         context's."""
-        far = self.later
-        if far is None or far.position <= self.position:
+        far, f = self.later, self._reach(position)
+        if far is None or f is None:
             return self
-        f = max(0.0, (position - self.position) / (far.position - self.position))
-
-        def grow(a: float, b: float) -> float:
-            return a + max(0.0, b - a) * f
-
         widths = dict(far.verify)
         return Costs(
-            plain_step=grow(self.plain_step, far.plain_step),
-            draft_step=grow(self.draft_step, far.draft_step),
-            extra=grow(self.extra, far.extra),
-            verify=tuple((n, grow(t, widths.get(n, t))) for n, t in self.verify),
+            plain_step=_grow(self.plain_step, far.plain_step, f),
+            draft_step=_grow(self.draft_step, far.draft_step, f),
+            extra=_grow(self.extra, far.extra, f),
+            verify=tuple((n, _grow(t, widths.get(n, t), f)) for n, t in self.verify),
             position=position,
         )
+
+    def plain_at(self, position: int) -> float:
+        """at(position).plain_step alone (loop.Timing prices each kept step with it, each
+        round)."""
+        far, f = self.later, self._reach(position)
+        if far is None or f is None:
+            return self.plain_step
+        return _grow(self.plain_step, far.plain_step, f)
+
+    def _reach(self, position: int) -> float | None:
+        """How far `position` lies from the short context to the long one (0 at or below the
+        short one, 1 at the long one); None with one context measured."""
+        far = self.later
+        if far is None or far.position <= self.position:
+            return None
+        return max(0.0, (position - self.position) / (far.position - self.position))
 
     def pass_time(self, k: int) -> float:
         """Seconds of a target pass verifying k drafts: interpolated between the measured
@@ -106,6 +117,11 @@ class Costs:
             if k <= k1:
                 return t0 + (t1 - t0) * (k - k0) / (k1 - k0)
         return t1 + max(t1 - t0, 0.0) / (k1 - k0) * (k - k1)
+
+
+def _grow(short: float, far: float, f: float) -> float:
+    """A cost `f` of the way from the short context's to the long one's, never below the short."""
+    return short + max(0.0, far - short) * f
 
 
 @dataclass

@@ -229,6 +229,10 @@ def test_costs_grow_linearly_with_the_context():
     # A long measurement below the short one (noise) does not make long contexts cheaper.
     noisy = Costs(1.0, 0.1, 0.1, ((1, 1.2),), 32, later=Costs(0.9, 0.05, 0.1, ((1, 1.1),), 544))
     assert noisy.at(2000).plain_step == 1.0 and dict(noisy.at(2000).verify) == {1: 1.2}
+    # The plain step alone (what loop.Timing asks each round) is at()'s, everywhere.
+    for costs in (GROWING, SHORT, noisy):
+        for position in (0, 32, 288, 544, 1056, 5000):
+            assert costs.plain_at(position) == costs.at(position).plain_step
 
 
 def test_policy_prices_rounds_at_the_current_context():
