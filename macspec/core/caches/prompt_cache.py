@@ -171,12 +171,12 @@ class Entry:
         of plain decoding's: the draft then reads the prompt itself)."""
         lo, hi = self.reach
         hi = min(hi, common, limit)
-        if kind is not None and not self.holds(kind):
-            if not rebuilds:
-                return 0
-        elif kind is not None and not self.draft.catches_up:
-            lo = max(lo, self.draft_reach[0])
-            hi = min(hi, self.draft_reach[1], common - self.draft.lookahead)
+        if kind is not None and self.holds(kind):
+            if not self.draft.catches_up:
+                lo = max(lo, self.draft_reach[0])
+                hi = min(hi, self.draft_reach[1], common - self.draft.lookahead)
+        elif kind is not None and not rebuilds:
+            return 0
         return hi if hi >= max(lo, 1) else 0
 
     def holds(self, kind: str) -> bool:

@@ -40,8 +40,13 @@ class PromptBox(TextArea):
             return self.box
 
     def __init__(self, placeholder: str = "", id: str | None = None) -> None:
-        super().__init__(id=id, soft_wrap=True, tab_behavior="focus", placeholder=placeholder)
-        self.highlight_cursor_line = False
+        super().__init__(
+            id=id,
+            soft_wrap=True,
+            tab_behavior="focus",
+            highlight_cursor_line=False,
+            placeholder=placeholder,
+        )
 
     async def _on_key(self, event: events.Key) -> None:
         # Here, not in BINDINGS: a binding's action runs after the keys that came with it (a
