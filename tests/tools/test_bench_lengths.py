@@ -307,22 +307,6 @@ def _touched(size: int) -> mmap.mmap:
     return block
 
 
-@pytest.fixture(scope="module")
-def gguf_target(tmp_path_factory):
-    """A tiny BPE target as a GGUF file and as the store model converted from it."""
-    from support.gguf_helpers import hf_to_gguf, make_bpe_model
-
-    from macspec.models.convert import convert
-
-    root = tmp_path_factory.mktemp("peer")
-    gguf = root / "target.gguf"
-    hf_to_gguf(make_bpe_model(root / "src", seed=4, context=2048), gguf, "f32")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MACSPEC_HOME", str(root / "home"))
-        target = convert(str(gguf), output="peer", dtype="float32")
-    return str(target), str(gguf)
-
-
 def test_llamacpp_rows_beside_on_the_same_ids(gguf_target, tmp_path):
     pytest.importorskip("xllamacpp", reason="llama.cpp's rows need the optional xllamacpp")
     target, gguf = gguf_target

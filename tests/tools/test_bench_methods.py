@@ -141,22 +141,6 @@ def test_stderr_progress_lines():
 # ------------------------------------------------------------- llama.cpp as a peer
 
 
-@pytest.fixture(scope="module")
-def gguf_pair(tmp_path_factory):
-    """A tiny BPE target as a GGUF file and as the store model converted from it."""
-    from support.gguf_helpers import hf_to_gguf, make_bpe_model
-
-    from macspec.models.convert import convert
-
-    root = tmp_path_factory.mktemp("peer")
-    gguf = root / "target.gguf"
-    hf_to_gguf(make_bpe_model(root / "src", seed=4, context=2048), gguf, "f32")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MACSPEC_HOME", str(root / "home"))
-        target = convert(str(gguf), output="peer", dtype="float32")
-    return str(target), str(gguf)
-
-
 def test_llamacpp_rows_are_opt_in_and_say_what_they_lack(same_pair, tmp_path, monkeypatch):
     result = _small(same_pair, tmp_path, methods="macspec_plain,llamacpp_plain")
     assert {r["method"] for r in result["runs"]} == {"macspec_plain"}
@@ -172,9 +156,9 @@ def test_llamacpp_rows_are_opt_in_and_say_what_they_lack(same_pair, tmp_path, mo
     assert "llamacpp_plain" not in DEFAULT_METHODS
 
 
-def test_llamacpp_rows_run_the_gguf(gguf_pair, same_pair, tmp_path):
+def test_llamacpp_rows_run_the_gguf(gguf_target, same_pair, tmp_path):
     pytest.importorskip("xllamacpp", reason="llama.cpp's rows need the optional xllamacpp")
-    target, gguf = gguf_pair
+    target, gguf = gguf_target
     result = _small(
         (target, None), tmp_path, methods="macspec_plain,llamacpp_plain,llamacpp_ngram",
         gguf=gguf, max_tokens=8, num_draft="3",

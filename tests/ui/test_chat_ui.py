@@ -31,11 +31,6 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @pytest.fixture(scope="module")
-def chat_pair(chat_dirs):
-    return macspec.load(*chat_dirs)
-
-
-@pytest.fixture(scope="module")
 def short_dirs(tmp_path_factory):
     """A target whose context holds only 32 tokens."""
     root = tmp_path_factory.mktemp("short")

@@ -4,11 +4,12 @@ start and how many lines more were sent."""
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from support.aio import aio
 from textual import events
 
-import macspec
 from macspec.ui import create_app
 from macspec.ui.widgets import PromptBox, shortened
 from macspec.ui.widgets.prompt import SHOWN_LINES
@@ -18,9 +19,15 @@ OPTIONS = {"max_tokens": 8, "seed": 0, "adaptive": False}
 FILE = "Summarize this code:\n" + "\n".join(f"def f{i}(x):\n    return x * {i}" for i in range(40))
 
 
-@pytest.fixture(scope="module")
-def chat_pair(chat_dirs):
-    return macspec.load(*chat_dirs)
+@asynccontextmanager
+async def chatting(pair) -> AsyncIterator[tuple]:
+    """The app running with its message box focused: (app, pilot, box)."""
+    app = create_app(pair, **OPTIONS, timings=False)
+    async with app.run_test(size=SIZE) as pilot:
+        box = app.query_one("#prompt", PromptBox)
+        box.focus()
+        await pilot.pause()
+        yield app, pilot, box
 
 
 async def settled(app, pilot) -> None:
@@ -31,10 +38,7 @@ async def settled(app, pilot) -> None:
 
 @aio
 async def test_a_pasted_file_is_sent_whole_and_shown_shortened(chat_pair):
-    app = create_app(chat_pair, **OPTIONS, timings=False)
-    async with app.run_test(size=SIZE) as pilot:
-        box = app.query_one("#prompt", PromptBox)
-        box.focus()
+    async with chatting(chat_pair) as (app, pilot, box):
         app.post_message(events.Paste(FILE))  # as the terminal driver sends it
         await pilot.pause()
         assert box.text == FILE  # a one-line Input kept "Summarize this code:" only
@@ -51,10 +55,7 @@ async def test_a_pasted_file_is_sent_whole_and_shown_shortened(chat_pair):
 
 @aio
 async def test_enter_sends_and_ctrl_j_starts_a_new_line(chat_pair):
-    app = create_app(chat_pair, **OPTIONS, timings=False)
-    async with app.run_test(size=SIZE) as pilot:
-        box = app.query_one("#prompt", PromptBox)
-        box.focus()
+    async with chatting(chat_pair) as (app, pilot, box):
         await pilot.press("enter")  # nothing to send
         await settled(app, pilot)
         assert app.history == []
@@ -69,10 +70,7 @@ async def test_enter_sends_and_ctrl_j_starts_a_new_line(chat_pair):
 async def test_a_new_line_keeps_its_place_among_keys_that_come_at_once(chat_pair):
     """A terminal's burst (keys typed fast, or sent together): the new line lands between the
     keys before and after it, not after them all."""
-    app = create_app(chat_pair, **OPTIONS, timings=False)
-    async with app.run_test(size=SIZE) as pilot:
-        box = app.query_one("#prompt", PromptBox)
-        box.focus()
+    async with chatting(chat_pair) as (app, pilot, box):
         await pilot.pause()
         keys = [*"ab", "ctrl+j", *"cd"]
         for key in keys:  # posted together, as the driver posts a burst
